@@ -1,0 +1,3 @@
+from .op import exact_attention
+
+__all__ = ["exact_attention"]

@@ -1,0 +1,87 @@
+"""Build script: the pure-Python package always; the CUDA extension ``hf_attention_backends._C``
+when a CUDA build of torch and a CUDA toolkit are present.
+
+``HFAB_BUILD_CUDA=1`` forces the extension (and fails loudly if it cannot be built),
+``HFAB_BUILD_CUDA=0`` skips it. Unset: build it when torch has CUDA and CUDA_HOME is found.
+``HFAB_CUDA_ARCHS`` overrides the target list (default "80;90", see csrc/README.md).
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _want_cuda():
+    flag = os.environ.get("HFAB_BUILD_CUDA", "").strip().lower()
+    if flag in ("0", "false", "no", "off"):
+        return False
+    forced = flag in ("1", "true", "yes", "on")
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+    except ImportError:
+        if forced:
+            raise RuntimeError("HFAB_BUILD_CUDA=1 but torch is not importable at build time")
+        return False
+    usable = torch.version.cuda is not None and CUDA_HOME is not None
+    if forced and not usable:
+        raise RuntimeError(
+            f"HFAB_BUILD_CUDA=1 but torch.version.cuda={torch.version.cuda!r}, CUDA_HOME={CUDA_HOME!r}; "
+            "install a CUDA build of torch and set CUDA_HOME to the toolkit root")
+    return usable and bool(_cuda_sources())
+
+
+def _cuda_sources():
+    return sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
+
+
+def _gencode_flags():
+    archs = os.environ.get("HFAB_CUDA_ARCHS", "80;90").split(";")
+    flags = []
+    for arch in filter(None, (a.strip() for a in archs)):
+        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    return flags
+
+
+def _extensions():
+    if not _want_cuda():
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    ext = CUDAExtension(
+        name="hf_attention_backends._C",
+        sources=["csrc/extension.cpp"] + _cuda_sources(),
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_compile_args={
+            "cxx": ["-O3"],
+            "nvcc": ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr",
+                     "-Xptxas=-v" if os.environ.get("HFAB_PTXAS_VERBOSE") else "-Xptxas=-O3"]
+                    + _gencode_flags(),
+        },
+    )
+    return [ext], {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="hf_attention_backends",
+    version="0.1.0",
+    description="Fast Nyström, Stieltjes, RACE and exact attention kernels behind transformers' AttentionInterface",
+    packages=find_packages(include=["hf_attention_backends", "hf_attention_backends.*"])
+    + ["hf_attention_backends.integrations"],
+    package_dir={"hf_attention_backends.integrations": "integrations"},
+    package_data={"hf_attention_backends.integrations": ["*.yaml"]},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "transformers>=5.0", "safetensors", "tqdm", "pyyaml", "numpy"],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "hypothesis", "accelerate", "gguf", "matplotlib"],
+        "finetune": ["accelerate", "peft", "datasets"],
+        "bench": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["hfab=hf_attention_backends.cli:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
