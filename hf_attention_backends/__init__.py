@@ -1,6 +1,15 @@
-"""hf_attention_backends: Nyström, Stieltjes, RACE and exact attention for HuggingFace transformers."""
-from .ops import exact_attention
+"""hf_attention_backends: Nyström, Stieltjes, RACE and exact attention for HuggingFace transformers.
+
+Importing the package registers the ``hfab::*`` torch ops and the ``hfab_<backend>`` attention
+functions with transformers' AttentionInterface / AttentionMaskInterface.
+"""
+from .ops import exact_attention, make_planes, nystrom_attention, race_attention, stieltjes_attention
+from .backends import disable_backend, enable_backend
+from .convert import convert, from_pretrained
 
 __version__ = "0.1.0"
 
-__all__ = ["exact_attention", "__version__"]
+__all__ = [
+    "nystrom_attention", "stieltjes_attention", "race_attention", "exact_attention", "make_planes",
+    "enable_backend", "disable_backend", "convert", "from_pretrained", "__version__",
+]

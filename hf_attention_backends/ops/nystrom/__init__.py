@@ -1,0 +1,3 @@
+from .op import nystrom_attention
+
+__all__ = ["nystrom_attention"]

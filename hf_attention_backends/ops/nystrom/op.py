@@ -1,0 +1,2 @@
+def nystrom_attention(*args, **kwargs):
+    raise NotImplementedError("nystrom_attention: work in progress (issue 2)")

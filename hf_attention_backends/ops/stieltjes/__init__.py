@@ -1,0 +1,3 @@
+from .op import stieltjes_attention
+
+__all__ = ["stieltjes_attention"]
