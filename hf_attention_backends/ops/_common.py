@@ -112,3 +112,25 @@ def zero_empty_rows(out: Tensor, allowed: Tensor) -> Tensor:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """References compute in fp32 (fp64 stays fp64, for gradcheck and oracles)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def reference_vjp(forward, inputs: tuple, grad_output: Tensor) -> tuple:
+    """Gradients of ``forward(*inputs)`` w.r.t. every Tensor input, by autograd through the reference.
+
+    Used as the CPU backward of ops whose spec is "the exact gradient of this forward". Non-Tensor
+    inputs and Tensors that are None get None.
+    """
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() else x
+                  for x in inputs]
+        out = forward(*leaves)
+        wrt = [x for x in leaves if isinstance(x, Tensor) and x.requires_grad]
+        grads = iter(torch.autograd.grad(out, wrt, grad_output, allow_unused=True))
+    result = []
+    for x in leaves:
+        if isinstance(x, Tensor) and x.requires_grad:
+            g = next(grads)
+            result.append(torch.zeros_like(x) if g is None else g)
+        else:
+            result.append(None)
+    return tuple(result)

@@ -56,6 +56,15 @@ def _backward(ctx, dout, _dlse):
 exact_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
+                        key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """The pure-PyTorch reference with plain autograd (no op, no kernel): the benchmarks' baseline."""
+    check_qkv(q, k, v)
+    out, _ = reference.exact_forward(q, k, v, check_key_padding_mask(key_padding_mask, k), bool(causal),
+                                     resolve_scale(scale, q.shape[-1]))
+    return out
+
+
 def exact_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
                     key_padding_mask: Optional[Tensor] = None) -> Tensor:
     """Exact softmax attention (FlashAttention-2 algorithm; CUDA-core kernel on GPU).
