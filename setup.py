@@ -3,7 +3,8 @@ when a CUDA build of torch and a CUDA toolkit are present.
 
 ``HFAB_BUILD_CUDA=1`` forces the extension (and fails loudly if it cannot be built),
 ``HFAB_BUILD_CUDA=0`` skips it. Unset: build it when torch has CUDA and CUDA_HOME is found.
-``HFAB_CUDA_ARCHS`` overrides the target list (default "80;90", see csrc/README.md).
+``HFAB_CUDA_ARCHS`` overrides the target list of every source (default "80;90", and the exact kernels,
+CUDA cores only, also "75"; see csrc/README.md).
 """
 import glob
 import os
@@ -37,18 +38,51 @@ def _cuda_sources():
     return sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
 
 
-def _gencode_flags():
-    archs = os.environ.get("HFAB_CUDA_ARCHS", "80;90").split(";")
-    flags = []
-    for arch in filter(None, (a.strip() for a in archs)):
-        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
-    return flags
+DEFAULT_ARCHS = ["80", "90"]
+# extra default targets per source folder: the exact kernels use CUDA cores only and also run on Turing
+EXTRA_ARCHS = {os.path.join("csrc", "exact"): ["75"]}
+
+
+def _archs_for(source):
+    override = os.environ.get("HFAB_CUDA_ARCHS")
+    if override is not None:
+        return [a.strip() for a in override.split(";") if a.strip()]
+    extra = [a for folder, archs in EXTRA_ARCHS.items() if os.path.normpath(source).startswith(folder + os.sep)
+             for a in archs]
+    return sorted(set(DEFAULT_ARCHS + extra), key=int)
+
+
+def _gencode_flags(archs):
+    return [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in archs]
 
 
 def _extensions():
     if not _want_cuda():
         return [], {}
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    class BuildExtensionPerArch(BuildExtension):
+        """Compiles the sources in groups that share a CUDA target list (per-file -gencode flags)."""
+
+        def build_extension(self, ext):
+            compile_all = self.compiler.compile
+
+            def compile_by_arch(sources, *args, extra_postargs=None, **kwargs):
+                groups = {}
+                for source in sources:
+                    groups.setdefault(tuple(_archs_for(source)), []).append(source)
+                objects = []
+                for archs, group in groups.items():
+                    post = dict(extra_postargs or {})
+                    post["nvcc"] = list(post.get("nvcc", [])) + _gencode_flags(archs)
+                    objects += compile_all(group, *args, extra_postargs=post, **kwargs)
+                return objects
+
+            self.compiler.compile = compile_by_arch
+            try:
+                super().build_extension(ext)
+            finally:
+                self.compiler.compile = compile_all
 
     ext = CUDAExtension(
         name="hf_attention_backends._C",
@@ -57,11 +91,10 @@ def _extensions():
         extra_compile_args={
             "cxx": ["-O3"],
             "nvcc": ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr",
-                     "-Xptxas=-v" if os.environ.get("HFAB_PTXAS_VERBOSE") else "-Xptxas=-O3"]
-                    + _gencode_flags(),
+                     "-Xptxas=-v" if os.environ.get("HFAB_PTXAS_VERBOSE") else "-Xptxas=-O3"],
         },
     )
-    return [ext], {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}
+    return [ext], {"build_ext": BuildExtensionPerArch.with_options(no_python_abi_suffix=True)}
 
 
 ext_modules, cmdclass = _extensions()

@@ -1,6 +1,12 @@
-def enable_backend(model, name, **config):
-    raise NotImplementedError("enable_backend: work in progress (issue 3)")
+"""transformers integration: ``hfab_*`` attention + mask functions (registered at import), enable/disable.
 
+See README.md in this folder for the contract (mask classification, guards, per-module attributes).
+"""
+from .adapters import ATTENTION_FUNCTIONS, BACKENDS, implementation_name, register
+from .config import CONFIGS, make_config
+from .enable import disable_backend, enable_backend
 
-def disable_backend(model):
-    raise NotImplementedError("disable_backend: work in progress (issue 3)")
+register()
+
+__all__ = ["enable_backend", "disable_backend", "make_config", "CONFIGS", "BACKENDS", "ATTENTION_FUNCTIONS",
+           "implementation_name", "register"]

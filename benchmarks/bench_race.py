@@ -1,0 +1,25 @@
+"""RACE attention, bf16, B=1, H=8, D=64, P=4 planes, L=4 tables, T=64K..2M, causal and not.
+
+The planes are the fixed seeded buffer of ``hfab.make_planes``; beta is a learnable 0-dim fp32
+tensor (D**-0.5) that gets a gradient in fwd+bwd, as in training.
+"""
+import torch
+
+from .registry import Case, register_case
+
+_K = 1024
+NUM_TABLES, NUM_PLANES = 4, 4
+
+
+def race_tensors(case: Case, device: torch.device) -> dict:
+    import hf_attention_backends as hfab
+    planes = hfab.make_planes(NUM_TABLES, NUM_PLANES, case.head_dim, seed=0).to(device)
+    beta = torch.tensor(case.head_dim ** -0.5, dtype=torch.float32, device=device)
+    return {"planes": planes, "beta": beta}
+
+
+for _causal in (True, False):
+    register_case(Case(backend="race", name="race_causal" if _causal else "race", dtype=torch.bfloat16, batch=1,
+                       heads=8, head_dim=64, sizes=tuple(n * _K for n in (64, 128, 256, 512, 1024, 2048)),
+                       quick_sizes=(64 * _K, 256 * _K), options={"causal": _causal}, make_tensors=race_tensors,
+                       trainable=("beta",)))

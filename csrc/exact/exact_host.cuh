@@ -1,0 +1,105 @@
+// Host side of the exact kernels shared by exact_fwd.cu and exact_bwd.cu: validation at the op
+// boundary (clear errors naming the argument, its value and what is supported), Params, dispatch.
+#pragma once
+
+#include <optional>
+#include <type_traits>
+
+#include "common/host.cuh"
+#include "exact/exact_kernels.cuh"
+
+namespace hfab {
+namespace exact {
+
+// Validated inputs, prepared for 16-byte loads; keeps the (possibly copied) tensors alive.
+struct Inputs {
+  at::Tensor q, k, v, mask;  // mask undefined when there is none
+  Params p{};
+};
+
+inline Strides strides_of(const at::Tensor& t) { return Strides{t.stride(0), t.stride(1), t.stride(2)}; }
+
+inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& key_padding_mask, bool causal, double scale) {
+  const c10::Device device = q.device();
+  check_on_device(op, "q", q, device);
+  check_on_device(op, "k", k, device);
+  check_on_device(op, "v", v, device);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must have 4 dims (B, H, N, D), got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), op, ": q ", q.sizes(), " and k ", k.sizes(),
+              " must agree in batch size and head dim");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op, ": query heads Hq=", q.size(1),
+              " must be a multiple of key/value heads Hkv=", k.size(1));
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
+              ": q, k, v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, op, " (CUDA kernel): dtype ", dtype,
+              " is not supported; supported: float16 (every GPU from sm_60), bfloat16 (sm_80 and newer). "
+              "Cast q, k, v to float16, or run on the CPU reference");
+  if (dtype == at::kBFloat16) {
+    const int major = compute_capability_major(device);
+    TORCH_CHECK(major >= 8, op, " (CUDA kernel): bfloat16 needs an sm_80 or newer GPU; ", device,
+                " is sm_", major, "x. Use float16 on this GPU");
+  }
+  const int64_t d = q.size(3);
+  TORCH_CHECK(d == 32 || d == 64 || d == 128, op, " (CUDA kernel): head dim D=", d,
+              " is not supported; supported: 32, 64, 128");
+  TORCH_CHECK(q.size(1) <= 65535 && q.size(0) <= 65535, op, ": B=", q.size(0), " and Hq=", q.size(1),
+              " must each be <= 65535 (CUDA grid limits)");
+  TORCH_CHECK(q.size(2) < (int64_t{1} << 30) && k.size(2) < (int64_t{1} << 30), op,
+              ": sequence lengths must be < 2^30, got Nq=", q.size(2), ", Nk=", k.size(2));
+
+  Inputs in;
+  in.q = vector_readable(q);
+  in.k = vector_readable(k);
+  in.v = vector_readable(v);
+  Params& p = in.p;
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    const at::Tensor& m = *key_padding_mask;
+    check_on_device(op, "key_padding_mask", m, device);
+    TORCH_CHECK(m.scalar_type() == at::kBool, op, ": key_padding_mask.dtype=", m.scalar_type(),
+                "; supported: torch.bool (True = real token)");
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == k.size(0) && m.size(1) == k.size(2), op, ": key_padding_mask.shape=",
+                m.sizes(), "; expected (B, Nk)=(", k.size(0), ", ", k.size(2), ")");
+    in.mask = m.contiguous();
+    p.key_padding_mask = reinterpret_cast<const unsigned char*>(in.mask.data_ptr());
+    p.kpm_stride = in.mask.stride(0);
+  }
+  p.q = in.q.data_ptr();
+  p.k = in.k.data_ptr();
+  p.v = in.v.data_ptr();
+  p.sq = strides_of(in.q);
+  p.sk = strides_of(in.k);
+  p.sv = strides_of(in.v);
+  p.hq = static_cast<int>(q.size(1));
+  p.groups = static_cast<int>(q.size(1) / k.size(1));
+  p.nq = static_cast<int>(q.size(2));
+  p.nk = static_cast<int>(k.size(2));
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.causal = causal ? 1 : 0;
+  return in;
+}
+
+template <typename T> struct Tag { using type = T; };
+
+// fn(Tag<T>{}, std::integral_constant<int, D>{}) for the kernel element type and head dim of `q`.
+template <typename Fn>
+void dispatch(const at::Tensor& q, Fn&& fn) {
+  auto by_dim = [&](auto tag) {
+    switch (q.size(3)) {
+      case 32: return fn(tag, std::integral_constant<int, 32>{});
+      case 64: return fn(tag, std::integral_constant<int, 64>{});
+      default: return fn(tag, std::integral_constant<int, 128>{});  // prepare() allowed only 32, 64, 128
+    }
+  };
+  if (q.scalar_type() == at::kHalf) by_dim(Tag<__half>{});
+  else by_dim(Tag<__nv_bfloat16>{});
+}
+
+inline unsigned blocks(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
+
+}  // namespace exact
+}  // namespace hfab
