@@ -36,6 +36,7 @@ class Case:
     backend takes it; it also sets SDPA's ``is_causal``). tiny_options: overrides on ``--device cpu``.
     make_tensors: ``(case, device) -> {kwarg: Tensor}``, tensor keyword arguments built once
     per size (RACE planes and beta); trainable: those of them that get gradients in fwd+bwd.
+    tiny_sizes: the sweep on ``--device cpu``.
     """
     backend: str
     name: str
@@ -50,11 +51,12 @@ class Case:
     tiny_options: dict = field(default_factory=dict)
     make_tensors: Optional[Callable[["Case", torch.device], dict]] = None
     trainable: tuple[str, ...] = ()
+    tiny_sizes: tuple[int, ...] = TINY_SIZES
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"Case {self.name!r}: backend={self.backend!r}; supported: {', '.join(BACKENDS)}")
-        for label, ns in (("sizes", self.sizes), ("quick_sizes", self.quick_sizes)):
+        for label, ns in (("sizes", self.sizes), ("quick_sizes", self.quick_sizes), ("tiny_sizes", self.tiny_sizes)):
             if not ns or list(ns) != sorted(set(ns)):
                 raise ValueError(f"Case {self.name!r}: {label}={ns} must be non-empty, ascending, no repeats")
 
@@ -67,10 +69,10 @@ class Case:
         return self.heads if self.kv_heads is None else self.kv_heads
 
     def tiny(self) -> "Case":
-        """The same case shrunk for ``--device cpu``: B=1, 2 heads, D=16, float32, N in TINY_SIZES."""
+        """The same case shrunk for ``--device cpu``: B=1, 2 heads, D=16, float32, N in tiny_sizes."""
         kv = None if self.kv_heads is None else max(1, TINY_HEADS * self.kv_heads // self.heads)
         return dataclasses.replace(self, dtype=torch.float32, batch=1, heads=TINY_HEADS, kv_heads=kv,
-                                   head_dim=TINY_HEAD_DIM, sizes=TINY_SIZES, quick_sizes=TINY_SIZES,
+                                   head_dim=TINY_HEAD_DIM, sizes=self.tiny_sizes, quick_sizes=self.tiny_sizes,
                                    options={**self.options, **self.tiny_options})
 
     def params_label(self) -> str:

@@ -143,6 +143,7 @@ def plot(rows: list[dict], path: str) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     cases = list(OrderedDict.fromkeys(r["case"] for r in rows))
     modes = list(OrderedDict.fromkeys(r["mode"] for r in rows))
@@ -160,6 +161,7 @@ def plot(rows: list[dict], path: str) -> str:
             if ax.lines:
                 ax.set_xscale("log", base=2)
                 ax.set_yscale("log")
+                ax.yaxis.set_minor_formatter(NullFormatter())
                 ax.legend(fontsize=8)
             else:
                 ax.text(0.5, 0.5, "no successful runs", ha="center", va="center", transform=ax.transAxes)
@@ -173,7 +175,7 @@ def plot(rows: list[dict], path: str) -> str:
     if rows:
         fig.suptitle(f"{rows[0]['gpu']}  torch {rows[0]['torch']}  CUDA {rows[0]['cuda']}  {rows[0]['git_sha']}  "
                      f"{rows[0]['date']}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)

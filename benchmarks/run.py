@@ -225,6 +225,8 @@ def parse_args(argv):
                         help="seconds one (case, N, provider, mode) may take; over it, larger N are skipped (30)")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds for the whole run (default none)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    parser.add_argument("--cpu-threads", type=int, default=1,
+                        help="torch threads on --device cpu (default 1: stable timings on a shared machine)")
     parser.add_argument("--run-id", default=None, help="the run_id column (default <UTC time>-<pid>)")
     args = parser.parse_args(argv)
     if args.device is None:
@@ -236,8 +238,8 @@ def parse_args(argv):
         parser.error("--device cuda but torch.cuda.is_available() is False; use --device cpu")
     if device.type == "cuda" and args.reps < MIN_CUDA_REPS:
         parser.error(f"--reps {args.reps}: at least {MIN_CUDA_REPS} on CUDA (DESIGN.md: median of >= 20)")
-    if args.reps < 1 or args.warmup < 1:
-        parser.error(f"--reps {args.reps} and --warmup {args.warmup} must be >= 1")
+    if args.reps < 1 or args.warmup < 1 or args.cpu_threads < 1:
+        parser.error(f"--reps {args.reps}, --warmup {args.warmup}, --cpu-threads {args.cpu_threads} must be >= 1")
     if args.size_budget <= 0 or (args.time_budget is not None and args.time_budget < 0):
         parser.error(f"--size-budget {args.size_budget} must be > 0 and --time-budget {args.time_budget} >= 0")
     for mode in _split(args.modes):
@@ -270,7 +272,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     env = runner.env
     print(f"{env['gpu']} | torch {env['torch']} | CUDA {env['cuda']} | {env['git_sha']} | extension "
           f"{env['extension']} | {len(cases)} cases x {len(providers)} providers -> {out}", flush=True)
-    rows = runner.run(cases, providers, _split(args.modes))
+    threads = torch.get_num_threads()
+    if args.device.type == "cpu":
+        torch.set_num_threads(args.cpu_threads)
+    try:
+        rows = runner.run(cases, providers, _split(args.modes))
+    finally:
+        torch.set_num_threads(threads)
     print(report.format_table(rows))
     if args.plot is not None and rows:
         print(f"plot: {report.plot(rows, args.plot or os.path.splitext(out)[0] + '.png')}")

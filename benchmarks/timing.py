@@ -49,17 +49,16 @@ def synchronize(device: torch.device) -> None:
 
 
 def release_memory(device: torch.device) -> None:
-    """Drop garbage and cached blocks, so the next case starts from a clean allocator."""
-    gc.collect()
+    """On CUDA: collect garbage (tensors in reference cycles) and return cached blocks, so the next
+    size or case starts from a clean allocator and peak memory is not hidden by the cache."""
     if device.type == "cuda":
+        gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
 
 
-def _peak_memory_mb(call: Callable[[int], None], index: int, device: torch.device) -> Optional[float]:
-    """Peak bytes allocated during one call beyond what was allocated before it (inputs excluded)."""
-    if device.type != "cuda":
-        return None
+def _peak_memory_mb(call: Callable[[int], None], index: int, device: torch.device) -> float:
+    """Peak MiB allocated during one call beyond what was allocated before it (inputs excluded)."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
@@ -107,7 +106,9 @@ def measure(call: Callable[[int], None], device: torch.device, *, warmup: int, r
         index += 1
     if per_call * (reps + 1) > budget_s:
         raise OverBudget(per_call, reps + 1, budget_s)
-    peak = _peak_memory_mb(call, index, device)
-    index += 1
+    peak = None
+    if device.type == "cuda":
+        peak = _peak_memory_mb(call, index, device)
+        index += 1
     median, p20, p80 = summarize(_times_ms(call, index, reps, device))
     return Measurement(median, p20, p80, peak, reps)

@@ -1,10 +1,10 @@
 """Convert a transformers model to a backend, record the plan in its config, and load it back.
 
 ``convert(model, "race", layers=[0, 2], per_head_beta=True)`` returns a copy of ``model`` whose listed
-attention layers run RACE (the others keep their softmax implementation, sdpa by default), with the
-backend's tensors added to each converted attention module (see ``nn/parameters.py``; names carry the
-``hfab_`` prefix: ``hfab_planes``, ``hfab_beta``, ``hfab_conv_weight``). The plan is stored as
-``model.config.hfab_plan``, a JSON dict written to config.json by ``save_pretrained``::
+attention layers run RACE (the others run transformers' sdpa; enable_backend marks them
+``hfab_left_out``), with the backend's tensors added to each converted attention module (see
+``nn/parameters.py``; names carry the ``hfab_`` prefix: ``hfab_planes``, ``hfab_beta``, ``hfab_conv_weight``).
+The plan is stored as ``model.config.hfab_plan``, a JSON dict written to config.json by ``save_pretrained``::
 
     {"backend": "race", "layers": [0, 2], "config": {...every knob...}, "version": "0.1.0"}
 
@@ -13,8 +13,12 @@ whose outputs are bitwise equal to the saved one's.
 
 A plain ``transformers`` ``from_pretrained(d)`` does NOT restore the backend: it builds the softmax model,
 and its load report (a logged warning) lists every ``hfab_*`` tensor as UNEXPECTED, i.e. not loaded.
-``config.hfab_plan`` is still present on that model but nothing acts on it. Load converted checkpoints
-with :func:`from_pretrained` of this package.
+``config.hfab_plan`` is still present on that model but nothing acts on it: whether a layer runs a backend
+is told by its attention module's ``hfab_backend``, never by the config. With
+``attn_implementation="hfab_<backend>"`` (package imported) every layer runs that backend with its
+default knobs (default beta and planes, no Nyström conv), not the plan's, and the same report lists the
+trained ``hfab_*`` tensors as not loaded. Load converted checkpoints with :func:`from_pretrained` of this
+package.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from typing import Iterable, Optional
 import torch
 import transformers
 from safetensors.torch import load_file
+from transformers import GenerationConfig
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from .backends import enable_backend
 from .backends.config import make_config
@@ -90,13 +96,15 @@ def from_pretrained(path, *, model_class=None, **kwargs):
     """Load a checkpoint written by ``save_pretrained`` of a converted model, with its backend restored.
 
     Reads ``path/config.json``, takes the model class from ``model_class`` or ``architectures[0]``
-    (looked up in ``transformers``), loads the base weights with ``model_class.from_pretrained(path,
-    **kwargs)``, re-applies the recorded plan (``convert(..., inplace=True)``) and then loads the
-    ``hfab_*`` tensors from the checkpoint, so outputs are bitwise those of the saved model.
+    (looked up in ``transformers``), loads the base weights through ``model_class.from_pretrained``
+    (from the checkpoint's tensors minus the ``hfab_*`` ones, so transformers' load report has nothing
+    to say about them), re-applies the recorded plan (``convert(..., inplace=True)``) and then loads the
+    ``hfab_*`` tensors, so outputs are bitwise those of the saved model.
 
     path: a local folder with config.json and safetensors weights (``model.safetensors`` or a sharded
     index); the whole checkpoint is read once into CPU memory. kwargs go to transformers'
-    ``from_pretrained`` (dtype, device_map, ...); ``state_dict`` is not accepted.
+    ``from_pretrained`` (dtype, device_map, ...; ``config=`` replaces the config read from path);
+    ``state_dict`` is not accepted. ``generation_config.json`` is loaded when present.
 
     Raises ValueError if config.json has no ``hfab_plan`` (not a converted checkpoint), if the class
     cannot be resolved, or if the checkpoint's ``hfab_*`` tensors do not match the plan (missing or extra).
@@ -108,19 +116,24 @@ def from_pretrained(path, *, model_class=None, **kwargs):
     if not os.path.isfile(config_file):
         raise ValueError(f"path={path!r} has no config.json; pass a local folder written by save_pretrained")
     with open(config_file) as f:
-        config = json.load(f)
-    plan = config.get(PLAN_KEY)
+        saved = json.load(f)
+    plan = saved.get(PLAN_KEY)
     if plan is None:
         raise ValueError(f"{config_file} has no {PLAN_KEY!r}: not a converted checkpoint; load it with transformers")
     if model_class is None:
-        name = (config.get("architectures") or [None])[0]
+        name = (saved.get("architectures") or [None])[0]
         model_class = getattr(transformers, name, None) if name else None
         if model_class is None:
-            raise ValueError(f"cannot resolve the model class from architectures={config.get('architectures')!r} "
+            raise ValueError(f"cannot resolve the model class from architectures={saved.get('architectures')!r} "
                              f"in {config_file}; pass model_class=")
+    config = kwargs.pop("config", None) or model_class.config_class.from_pretrained(path)
     state = _read_safetensors(path)
     hfab_state = {k: state.pop(k) for k in [k for k in state if _is_hfab(k)]}
-    model = model_class.from_pretrained(path, state_dict=state, **kwargs)
+    # transformers takes a path or a state dict, not both
+    model = model_class.from_pretrained(None, config=config, state_dict=state, **kwargs)
+    model.config.name_or_path = path
+    if model.can_generate() and os.path.isfile(os.path.join(path, GENERATION_CONFIG_NAME)):
+        model.generation_config = GenerationConfig.from_pretrained(path)
     convert(model, plan["backend"], plan["layers"], inplace=True, **plan["config"])
     expected = set(_hfab_tensor_names(model))
     missing, extra = sorted(expected - set(hfab_state)), sorted(set(hfab_state) - expected)

@@ -8,6 +8,10 @@ modernbert, vit. Paths are dotted attribute paths:
 - ``attention``: from a block to the module that calls the attention function (it carries ``is_causal``
   and, once enabled, ``hfab_backend`` / ``hfab_config``);
 - ``q``, ``k``, ``v`` (or fused ``qkv``) and ``o``: from a block to the projection layers.
+
+A path may list alternatives separated by ``|`` (the first that exists wins): ViT's layout changed
+between transformers 5.17 (``encoder.layer[i].attention.attention.query``) and 5.18
+(``layers[i].attention.q_proj``).
 """
 from __future__ import annotations
 
@@ -45,8 +49,9 @@ FAMILIES = {f.model_type: f for f in [
     Family("bert", None, "encoder.layer", "attention.self", "attention.output.dense",
            q="attention.self.query", k="attention.self.key", v="attention.self.value"),
     Family("modernbert", False, "layers", "attn", "attn.Wo", qkv="attn.Wqkv"),
-    Family("vit", False, "encoder.layer", "attention.attention", "attention.output.dense",
-           q="attention.attention.query", k="attention.attention.key", v="attention.attention.value"),
+    Family("vit", False, "layers|encoder.layer", "attention.attention|attention",
+           "attention.o_proj|attention.output.dense", q="attention.q_proj|attention.attention.query",
+           k="attention.k_proj|attention.attention.key", v="attention.v_proj|attention.attention.value"),
 ]}
 
 # Families whose modeling code computes attention itself instead of calling AttentionInterface.
@@ -91,10 +96,17 @@ def head_dims(model_or_config) -> tuple[int, int, int]:
     return hq, hkv, d
 
 
-def _resolve(root: nn.Module, path: str) -> nn.Module:
-    for name in path.split("."):
-        root = getattr(root, name)
-    return root
+def _resolve(root: nn.Module, paths: str) -> nn.Module:
+    for path in paths.split("|"):
+        module = root
+        for name in path.split("."):
+            module = getattr(module, name, None)
+            if module is None:
+                break
+        if module is not None:
+            return module
+    raise ValueError(f"{type(root).__name__} has none of {paths!r}; this transformers version lays the family out "
+                     "differently than hf_attention_backends.integrations expects")
 
 
 def blocks(model: nn.Module) -> nn.ModuleList:
@@ -105,7 +117,12 @@ def blocks(model: nn.Module) -> nn.ModuleList:
 def attention_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """[(layer index, attention module)] in layer order, for a base model or any model with a head."""
     family = get_family(model)
-    return [(i, _resolve(block, family.attention)) for i, block in enumerate(blocks(model))]
+    layers = [(i, _resolve(block, family.attention)) for i, block in enumerate(blocks(model))]
+    for i, module in layers:
+        if not hasattr(module, "is_causal"):
+            raise ValueError(f"layer {i}: {type(module).__name__} has no is_causal attribute; it is not the module "
+                             "that calls AttentionInterface in this transformers version")
+    return layers
 
 
 def projection(block: nn.Module, family: Family, which: str) -> nn.Module:

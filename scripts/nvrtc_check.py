@@ -104,7 +104,8 @@ class Nvrtc:
 
 _FUNC = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")
 _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-_USED = re.compile(r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
 
 
 def parse_ptxas(report):
@@ -118,7 +119,8 @@ def parse_ptxas(report):
             current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
         elif current is not None and (m := _USED.search(line)):
             current["registers"] = int(m.group(1))
-            current["smem"] = int(m.group(2) or 0)
+            smem = _SMEM.search(line)
+            current["smem"] = int(smem.group(1)) if smem else 0
     return result
 
 

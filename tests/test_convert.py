@@ -46,7 +46,9 @@ def train_step(model):
     """One SGD step on every parameter, so the hfab_* parameters leave their initial values."""
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    run(model).pow(2).mean().backward()
+    out = run(model)
+    direction = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    (out * direction).sum().backward()  # not a norm: BERT's LayerNorm would make that constant
     opt.step()
     opt.zero_grad()
     model.eval()
@@ -164,7 +166,7 @@ def test_zero_layers_equals_original_bitwise(factory):
     (dict(backend="race", layers=1), TypeError, "layers must be None or a list"),
     (dict(backend="race", num_landmarks=8), TypeError, r"unknown option\(s\) \['num_landmarks'\]"),
     (dict(backend="race", num_planes=0), ValueError, "num_planes=0"),
-    (dict(backend="nystrom"), NotImplementedError, "causal attention is not supported by Nyström"),
+    (dict(backend="nystrom"), NotImplementedError, "Nyström is non-causal only"),
 ])
 def test_bad_arguments_raise_and_leave_the_model_untouched(kwargs, error, match):
     base = tiny_llama()

@@ -69,7 +69,7 @@ __device__ __forceinline__ void key_bias(float (&bias)[BK], const Params& p, int
 }
 
 template <typename T, int D, int BQ, int BK>
-__global__ void __launch_bounds__(kTileThreads) exact_attn_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kTileThreads, 1) exact_attn_fwd_kernel(const Params p) {
   constexpr int TR = BQ / 16, TC = BK / 16, TD = D / 32;
   __shared__ Tile<BQ, D> qs;
   __shared__ Tile<BK, D> ks, vs;
@@ -178,7 +178,7 @@ __device__ __forceinline__ float lse2_of(const Params& p, long long row_base, in
 }
 
 template <typename T, int D, int BQ, int BK>
-__global__ void __launch_bounds__(kTileThreads) exact_dq_bwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kTileThreads, 1) exact_dq_bwd_kernel(const Params p) {
   constexpr int TR = BQ / 16, TC = BK / 16, TD = D / 32;
   __shared__ Tile<BQ, D> qs, dos;
   __shared__ Tile<BK, D> ks, vs;
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(kTileThreads) exact_dq_bwd_kernel(const Params
 }
 
 template <typename T, int D, int BK, int BQ>
-__global__ void __launch_bounds__(kTileThreads) exact_dkv_bwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kTileThreads, 1) exact_dkv_bwd_kernel(const Params p) {
   constexpr int TR = BK / 16, TC = BQ / 16, TD = D / 32;
   __shared__ Tile<BK, D> ks, vs;
   __shared__ Tile<BQ, D> qs, dos;

@@ -24,6 +24,11 @@ from ..ops import exact_attention, make_planes, nystrom_attention, race_attentio
 from .config import CONFIGS, make_config
 from .masks import hfab_mask, key_padding_from_mask, sdpa_mask_for
 
+try:  # transformers 5.x records attentions with hooks; output_attentions never reaches the attention function
+    from transformers.utils.output_capturing import _active_collector as _COLLECTOR
+except ImportError:
+    _COLLECTOR = None
+
 BACKENDS = tuple(CONFIGS)
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k")
 _PLANES: dict = {}
@@ -60,7 +65,7 @@ def check_call(what: str, backend: str, module, query: Tensor, key: Tensor, drop
             f"{what}: dropout={dropout} is not supported (attention dropout is not implemented); supported: 0.0. "
             "Set the config's attention dropout (attention_dropout / attn_pdrop / attention_probs_dropout_prob) "
             "to 0 before training, or call model.eval()")
-    if kwargs.get("output_attentions"):
+    if kwargs.get("output_attentions") or _attentions_requested():
         raise NotImplementedError(f"{what}: output_attentions=True is not supported (no attention matrix is "
                                   "formed); supported: False. Use attn_implementation='eager' to inspect weights")
     for name in ("softcap", "s_aux", "position_bias"):
@@ -82,6 +87,11 @@ def check_call(what: str, backend: str, module, query: Tensor, key: Tensor, drop
     if backend == "nystrom" and causal:
         raise NotImplementedError(f"{what}: causal attention is not supported by Nyström (landmarks mix past and "
                                   "future tokens); supported: non-causal (encoder) layers. Use stieltjes, race or exact")
+
+
+def _attentions_requested() -> bool:
+    collected = _COLLECTOR.get() if _COLLECTOR is not None else None
+    return bool(collected) and "attentions" in collected
 
 
 def check_not_packed(what: str, position_ids: Optional[Tensor], key_padding_mask: Optional[Tensor], nq: int) -> None:

@@ -15,7 +15,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
-import torch
 from torch import Tensor, nn
 
 from ..backends.config import CONFIGS, ExactConfig, NystromConfig, RaceConfig, StieltjesConfig, make_config

@@ -2,7 +2,7 @@
 
 | backend | name | kind | shape | initial value |
 |---|---|---|---|---|
-| race | ``planes`` | persistent buffer (never trained) | (L, P, D) | ``make_planes(L, P, D, seed=config.seed + seed_offset)`` |
+| race | ``planes`` | persistent buffer, never trained | (L, P, D) | ``make_planes(L, P, D, seed=seed + seed_offset)`` |
 | race | ``beta`` | Parameter | () or (Hq,) with ``per_head_beta`` | ``config.beta``, else D**-0.5 |
 | nystrom | ``conv_weight`` | Parameter, only if ``conv_kernel_size > 0`` | (Hq, ks) | zeros |
 

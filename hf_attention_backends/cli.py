@@ -1,0 +1,336 @@
+"""The ``hfab`` command.
+
+``hfab verify``: switch a real model's attention to each backend and measure how far its outputs move
+from the model's own softmax attention (all-MiniLM-L6-v2 vs eager by default; ``--model smollm2``:
+SmolLM2-135M-Instruct vs sdpa). ``hfab info``: versions, the CUDA extension, which ops have CUDA kernels.
+
+Exit status: 0 on success, 2 on a usage error, an unsupported choice (the message says what is supported)
+or a missing offline asset package.
+Tables go to stdout, progress bars and notes to stderr; ``--json -`` writes JSON to stdout instead of the table.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from .backends.config import CONFIGS, make_config
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    causal: bool
+    baseline: str  # the attn_implementation the backends are compared with
+    backends: tuple
+    default_texts: int
+
+
+MODELS = {
+    "minilm": ModelSpec(causal=False, baseline="eager", backends=("nystrom", "stieltjes", "race", "exact"),
+                        default_texts=8),
+    "smollm2": ModelSpec(causal=True, baseline="sdpa", backends=("stieltjes", "race", "exact"), default_texts=4),
+}
+
+# (option dest = config field, type, help); a knob goes to every selected backend whose config has the field
+KNOBS = (
+    ("num_landmarks", int, "nystrom: number of landmarks m"),
+    ("newton_iter", int, "nystrom and stieltjes: solver iterations"),
+    ("kappa_star", float, "nystrom: ridge condition number target (0 = none)"),
+    ("order", float, "stieltjes: order of the power law"),
+    ("num_planes", int, "race: hyperplanes per table P"),
+    ("num_tables", int, "race: hash tables L"),
+    ("beta", float, "race: soft-hash temperature (default D**-0.5)"),
+    ("seed", int, "race: seed of the fixed planes"),
+)
+
+
+class CliError(Exception):
+    """An unsupported choice: reported as one line on stderr with exit status 2."""
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (CliError, ValueError, NotImplementedError, ModuleNotFoundError, OSError) as err:
+        print(f"hfab {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hfab", description=__doc__.split("\n\n")[1])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    verify = sub.add_parser("verify", help="compare each backend with softmax attention on a real model",
+                            description="Run a real model with its own softmax attention and with each backend "
+                                        "on real text; report output differences and time per forward.")
+    verify.add_argument("--model", choices=sorted(MODELS), default="minilm",
+                        help="minilm: all-MiniLM-L6-v2 vs eager (default); smollm2: SmolLM2-135M-Instruct vs sdpa")
+    verify.add_argument("--backend", action="append", metavar="NAME[,NAME]",
+                        help="backend(s) to verify, repeatable or comma separated (default: all that fit the model)")
+    verify.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    verify.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    verify.add_argument("--num-texts", type=int, help="sentences (minilm, default 8) or articles (smollm2, default 4)")
+    verify.add_argument("--seq-len", type=int, default=256, help="smollm2: tokens per article (default 256)")
+    verify.add_argument("--repeats", type=int, default=1, help="forwards timed per backend; the median is reported")
+    for name, kind, text in KNOBS:
+        verify.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, help=text)
+    verify.add_argument("--json", metavar="PATH|-", help="also write the results as JSON to PATH (- = stdout only)")
+    verify.set_defaults(func=run_verify)
+
+    info = sub.add_parser("info", help="versions, CUDA extension, ops with CUDA kernels")
+    info.add_argument("--json", metavar="PATH|-", help="also write the report as JSON to PATH (- = stdout only)")
+    info.set_defaults(func=run_info)
+    return parser
+
+
+def parse_backends(values: Optional[list], model: str) -> list:
+    """Flatten repeatable / comma separated --backend values; check each fits the model."""
+    spec = MODELS[model]
+    if not values:
+        return list(spec.backends)
+    names = []
+    for value in values:
+        for name in (part.strip() for part in value.split(",")):
+            if name and name not in names:
+                names.append(name)
+    for name in names:
+        if name not in CONFIGS:
+            raise CliError(f"--backend {name!r} is not a backend; supported: {', '.join(CONFIGS)}")
+        if name not in spec.backends:
+            raise CliError(f"--backend {name!r} does not fit --model {model} (a causal LM; {name} is non-causal "
+                           f"only); supported for {model}: {', '.join(spec.backends)}")
+    if not names:
+        raise CliError(f"--backend names no backend; supported for {model}: {', '.join(spec.backends)}")
+    return names
+
+
+def backend_configs(backends: list, args) -> dict:
+    """{backend: knobs given on the command line that its config accepts}, validated; unused knobs raise."""
+    given = {name: getattr(args, name) for name, _, _ in KNOBS if getattr(args, name) is not None}
+    configs, used = {}, set()
+    for backend in backends:
+        fields = {f.name for f in dataclasses.fields(CONFIGS[backend])}
+        configs[backend] = {k: v for k, v in given.items() if k in fields}
+        make_config(backend, **configs[backend])
+        used |= set(configs[backend])
+    unused = sorted(set(given) - used)
+    if unused:
+        options = ", ".join("--" + name.replace("_", "-") for name in unused)
+        raise CliError(f"{options} does not apply to the selected backend(s) {', '.join(backends)}")
+    return configs
+
+
+def resolve_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CliError(f"--device {name!r} is not a device; supported: cpu, cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise CliError(f"--device {name!r} is not supported; supported: cpu, cuda[:N]")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {name!r} but CUDA is not available (torch {torch.__version__}); use --device cpu")
+    return device
+
+
+def timed(forward, repeats: int, device: torch.device):
+    """(output of the first call, median seconds per call over ``repeats`` calls)."""
+    times, result = [], None
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = forward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+        result = out if result is None else result
+    return result, statistics.median(times)
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, N, C), (B, N) bool -> (B, C): mean over real tokens (the sentence-transformers embedding)."""
+    weights = mask.to(torch.float64).unsqueeze(-1)
+    return (hidden.double() * weights).sum(1) / weights.sum(1)
+
+
+def hidden_metrics(out: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> dict:
+    """|Δ| of last_hidden_state over real tokens; cosine of the mean-pooled embeddings."""
+    diff = (out.double() - ref.double()).abs()[mask]  # (tokens, C)
+    cos = torch.nn.functional.cosine_similarity(mean_pool(out, mask), mean_pool(ref, mask), dim=-1)
+    return {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(),
+            "cosine_mean": cos.mean().item(), "cosine_min": cos.min().item()}
+
+
+def perplexity(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> float:
+    """exp(mean next-token NLL) over positions whose target is a real token."""
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].double().transpose(1, 2), input_ids[:, 1:],
+                                            reduction="none")  # (B, N-1)
+    target = mask[:, 1:]
+    return math.exp((nll[target].sum() / target.sum()).item())
+
+
+def logit_metrics(out: torch.Tensor, ref: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """|Δlogit| and top-1 agreement over real positions; perplexity of ``out``."""
+    diff = (out.double() - ref.double()).abs()[mask]  # (tokens, V)
+    agree = (out.argmax(-1) == ref.argmax(-1))[mask]
+    return {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(),
+            "top1_agreement": agree.double().mean().item(), "perplexity": perplexity(out, input_ids, mask)}
+
+
+def _load(model_name: str, dtype, device):
+    from . import models
+
+    if model_name == "minilm":
+        return models.minilm_path(), *models.load_minilm(dtype=dtype, device=device)
+    if not models.smollm2_cache_dir().is_dir():
+        print(f"hfab: converting the SmolLM2 GGUF checkpoint once into {models.smollm2_cache_dir()} "
+              "(dequantising takes ~25 s or more)", file=sys.stderr)
+    return models.smollm2_cache_dir(), *models.load_smollm2(dtype=dtype, device=device)
+
+
+def _texts(args, spec: ModelSpec):
+    from . import models
+
+    n = spec.default_texts if args.num_texts is None else args.num_texts
+    if n < 1:
+        raise CliError(f"--num-texts {n} must be >= 1")
+    if args.model == "minilm":
+        return models.corpus()[0], models.sentences(n)
+    if args.seq_len < 2:
+        raise CliError(f"--seq-len {args.seq_len} must be >= 2 (perplexity needs a next token)")
+    # ~4.5 characters per token in English news: most selected articles fill seq_len tokens
+    return models.corpus()[0], models.news_articles(n, min_chars=5 * args.seq_len)
+
+
+def run_verify(args) -> int:
+    from tqdm.auto import tqdm
+
+    from . import disable_backend, enable_backend
+
+    spec = MODELS[args.model]
+    backends = parse_backends(args.backend, args.model)
+    configs = backend_configs(backends, args)
+    device, dtype = resolve_device(args.device), DTYPES[args.dtype]
+    if args.repeats < 1:
+        raise CliError(f"--repeats {args.repeats} must be >= 1")
+    corpus_name, texts = _texts(args, spec)
+    path, model, tokenizer = _load(args.model, dtype, device)
+
+    max_length = args.seq_len if spec.causal else None  # None: the model's limit (512 for MiniLM)
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
+    mask = batch["attention_mask"].bool()
+    if spec.causal:
+        def forward():
+            return model(**batch, use_cache=False).logits
+
+        def metrics(out, ref):
+            return logit_metrics(out, ref, batch["input_ids"], mask)
+    else:
+        def forward():
+            return model(**batch).last_hidden_state
+
+        def metrics(out, ref):
+            return hidden_metrics(out, ref, mask)
+
+    ref, ref_time = timed(forward, args.repeats, device)
+    baseline = {"name": spec.baseline, "time_s": ref_time}
+    if spec.causal:
+        baseline["perplexity"] = perplexity(ref, batch["input_ids"], mask)
+    results = []
+    for backend in tqdm(backends, desc=f"hfab verify {args.model}", file=sys.stderr, disable=None):
+        enable_backend(model, backend, **configs[backend])
+        try:
+            out, seconds = timed(forward, args.repeats, device)
+        finally:
+            disable_backend(model)
+        results.append({"backend": backend, "config": configs[backend], "time_s": seconds, **metrics(out, ref)})
+
+    report = {
+        "command": "verify", "model": args.model, "model_path": str(path), "device": str(device),
+        "dtype": args.dtype, "compared": "logits" if spec.causal else "last_hidden_state",
+        "texts": {"corpus": corpus_name, "count": len(texts), "tokens": int(mask.sum()),
+                  "seq_len": args.seq_len if spec.causal else None},
+        "baseline": baseline, "results": results, "versions": _versions(),
+    }
+    _emit(report, _verify_table(report), args.json)
+    return 0
+
+
+def _verify_table(report: dict) -> str:
+    causal = report["compared"] == "logits"
+    columns = [("backend", "backend", "{}"), ("max_abs_diff", "max|Δ|", "{:.3e}"),
+               ("mean_abs_diff", "mean|Δ|", "{:.3e}")]
+    columns += ([("top1_agreement", "top-1 agree", "{:.2%}"), ("perplexity", "perplexity", "{:.3f}")] if causal
+                else [("cosine_mean", "cos mean", "{:.6f}"), ("cosine_min", "cos min", "{:.6f}")])
+    columns.append(("time_s", "ms/forward", "{:.1f}"))
+    base = report["baseline"]
+    rows = [{**base, "backend": f"{base['name']} (baseline)"}] + report["results"]
+    cells = [[fmt.format(row[key] * (1000 if key == "time_s" else 1)) if key in row else "-"
+              for key, _, fmt in columns] for row in rows]
+    headers = [header for _, header, _ in columns]
+    widths = [max(len(x) for x in column) for column in zip(headers, *cells)]
+    texts = report["texts"]
+    title = (f"{report['model']} ({report['compared']}, {report['dtype']}, {report['device']}): "
+             f"{texts['count']} texts from {texts['corpus']}, {texts['tokens']} real tokens")
+    lines = [title] + ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                       for row in [headers] + cells]
+    return "\n".join(lines)
+
+
+def _versions() -> dict:
+    import transformers
+
+    from . import __version__
+
+    return {"hf_attention_backends": __version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "cuda": torch.version.cuda}
+
+
+def run_info(args) -> int:
+    from . import _ext
+    from .ops._registry import has_cuda_kernel, registered_ops
+
+    loaded = _ext.extension_loaded()
+    report = {
+        "command": "info", "versions": _versions(), "cuda_available": torch.cuda.is_available(),
+        "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "extension_loaded": loaded, "extension_error": None if loaded else str(_ext.extension_error()),
+        # a Python guard registered for ops without a compiled kernel also counts as a kernel for the
+        # dispatcher, so only ops of a loaded extension can have a compiled one
+        "ops": {op: {"cuda_kernel": loaded and has_cuda_kernel(op)} for op in registered_ops()},
+    }
+    lines = [f"{name} {version}" for name, version in report["versions"].items()]
+    lines.append(f"CUDA device: {report['cuda_device'] or 'none'}")
+    lines.append("CUDA extension: " + ("loaded" if loaded else f"not loaded ({report['extension_error']})"))
+    lines += [f"  {op}: CUDA kernel {'yes' if v['cuda_kernel'] else 'no'}" for op, v in report["ops"].items()]
+    _emit(report, "\n".join(lines), args.json)
+    return 0
+
+
+def _emit(report: dict, table: str, json_path: Optional[str]) -> None:
+    """Table to stdout; JSON to ``json_path`` ("-": JSON to stdout, table to stderr)."""
+    print(table, file=sys.stderr if json_path == "-" else sys.stdout)
+    if json_path is None:
+        return
+    text = json.dumps(report, indent=2)
+    if json_path == "-":
+        print(text)
+    else:
+        with open(json_path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

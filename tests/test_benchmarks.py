@@ -1,0 +1,297 @@
+"""The benchmark harness on the CPU: the runner end to end on tiny shapes for every backend (CSV
+columns, rows, plot), the skip/OOM/error/budget rules with probe providers, timing statistics,
+the ptxas report and scripts/gpu_check.sh in its CPU mode."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from benchmarks import ptxas_report, registry, report, run, timing
+from benchmarks.registry import Case, Provider
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+K = 1024
+
+
+def _run(tmp_path, *args, reps=2):
+    out = tmp_path / "results.csv"
+    rc = run.main(["--device", "cpu", "--quick", "--reps", str(reps), "--warmup", "1", "--out", str(out), *args])
+    return rc, report.read_rows(str(out)) if out.exists() else []
+
+
+def _header(path):
+    with open(path) as f:
+        return f.readline().strip().split(",")
+
+
+@pytest.mark.parametrize("case_name", ["exact_d64_causal", "nystrom_wide", "stieltjes_causal", "race_causal"])
+def test_runner_end_to_end_on_cpu(tmp_path, case_name):
+    png = tmp_path / "plot.png"
+    backend = case_name.split("_")[0]
+    rc, rows = _run(tmp_path, "--backend", backend, "--cases", case_name, "--plot", str(png))
+    assert rc == 0, [(r["provider"], r["mode"], r["status"], r["message"]) for r in rows if r["status"] != "ok"]
+    assert _header(tmp_path / "results.csv") == report.COLUMNS
+    expected = {(p, m, str(n)) for p in ("ours", "reference", "sdpa") for m in ("fwd", "fwd+bwd")
+                for n in registry.TINY_SIZES}
+    assert {(r["provider"], r["mode"], r["N"]) for r in rows} == expected and len(rows) == len(expected)
+    for r in rows:
+        assert r["status"] == "ok", r["message"]
+        assert (r["backend"], r["case"], r["dtype"], r["gpu"], r["device"]) == (backend, case_name, "float32", "cpu",
+                                                                                 "cpu")
+        assert (r["B"], r["H"], r["Hkv"], r["D"]) == ("1", "2", "2", "16")
+        assert 0 < float(r["p20_ms"]) <= float(r["median_ms"]) <= float(r["p80_ms"])
+        assert r["reps"] == "2" and r["peak_mem_MB"] == "" and int(r["input_sets"]) >= 2
+        assert r["torch"] == torch.__version__ and r["git_sha"] and r["date"]
+    assert len({r["run_id"] for r in rows}) == 1
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.slow
+def test_every_registered_case_runs_on_cpu(tmp_path):
+    rc, rows = _run(tmp_path, "--modes", "fwd", "--providers", "ours,reference", reps=1)
+    registry.load()
+    assert {r["case"] for r in rows} == set(registry.CASES)
+    assert rc == 0 and all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
+
+
+# DESIGN.md "Benchmarks" and issues 4-7, written out here independently of benchmarks/bench_*.py
+ANCHORS = {
+    "nystrom_long": (torch.float16, 1, 4, 64, 64 * K, 2048 * K, {"num_landmarks": 32, "newton_iter": 6}),
+    "nystrom_wide": (torch.float16, 4, 16, 128, 4 * K, 128 * K, {"num_landmarks": 64, "newton_iter": 6}),
+    "stieltjes": (torch.bfloat16, 4, 8, 64, 2 * K, 8 * K, {"order": 4.0, "causal": False}),
+    "stieltjes_causal": (torch.bfloat16, 4, 8, 64, 2 * K, 8 * K, {"order": 4.0, "causal": True}),
+    "stieltjes_long": (torch.bfloat16, 1, 8, 64, 16 * K, 16 * K, {"order": 4.0, "causal": False}),
+    "stieltjes_long_causal": (torch.bfloat16, 1, 8, 64, 16 * K, 16 * K, {"order": 4.0, "causal": True}),
+    "race_causal": (torch.bfloat16, 1, 8, 64, 64 * K, 2048 * K, {"causal": True}),
+    "race": (torch.bfloat16, 1, 8, 64, 64 * K, 2048 * K, {"causal": False}),
+    "exact_d64_causal": (torch.float16, 1, 16, 64, 2 * K, 4 * K, {"causal": True}),
+    "exact_d128_causal": (torch.float16, 1, 16, 128, 2 * K, 4 * K, {"causal": True}),
+}
+
+
+def test_registry_has_the_design_anchor_shapes():
+    registry.load()
+    for name, (dtype, b, h, d, n_min, n_max, options) in ANCHORS.items():
+        c = registry.CASES[name]
+        assert (c.dtype, c.batch, c.heads, c.hkv, c.head_dim) == (dtype, b, h, h, d), name
+        assert (c.sizes[0], c.sizes[-1]) == (n_min, n_max), name
+        assert set(c.quick_sizes) <= set(c.sizes) and c.options == options, name
+    assert registry.CASES["stieltjes"].sizes == (2 * K, 4 * K, 8 * K)
+
+
+def test_list_prints_every_case_and_provider(capsys):
+    assert run.main(["--list"]) == 0
+    text = capsys.readouterr().out
+    for name in list(ANCHORS) + ["ours", "reference", "sdpa"]:
+        assert name in text
+
+
+def test_runs_append_to_one_csv_and_a_foreign_csv_is_refused(tmp_path):
+    args = ("--cases", "exact_d64_causal", "--backend", "exact", "--providers", "sdpa", "--modes", "fwd")
+    _run(tmp_path, *args)
+    rc, rows = _run(tmp_path, *args)
+    assert rc == 0 and len(rows) == 2 * len(registry.TINY_SIZES)
+    assert len({r["run_id"] for r in rows}) == 2
+    with open(tmp_path / "results.csv") as f:
+        assert sum(line.startswith("date,") for line in f) == 1
+    assert report.last_run(rows) == rows[len(registry.TINY_SIZES):]
+    foreign = tmp_path / "foreign.csv"
+    foreign.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="Use a new --out"):
+        run.main(["--device", "cpu", "--reps", "1", "--out", str(foreign), *args])
+
+
+class Probe:
+    """A provider recording what it is handed; ``fail(n)`` returns an exception to raise at size n, or None."""
+
+    def __init__(self, fail=lambda n: None, shape_ok=True):
+        self.fail, self.shape_ok, self.calls = fail, shape_ok, []
+
+    def __call__(self, case, q, k, v, tensors):
+        err = self.fail(q.shape[2])
+        if err is not None:
+            raise err
+        self.calls.append({"N": q.shape[2], "ptr": q.data_ptr(), "grad": q.requires_grad,
+                           "w_grad": tensors["w"].requires_grad, "q_std": float(q.detach().float().std())})
+        out = q * tensors["w"] + v.mean()
+        return out if self.shape_ok else out.transpose(1, 2)
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    registry.load()
+    case = Case(backend="exact", name="probe_case", dtype=torch.float16, batch=1, heads=4, head_dim=8,
+                sizes=(8, 16, 32), quick_sizes=(8, 16, 32), tiny_sizes=(8, 16, 32),
+                make_tensors=lambda c, device: {"w": torch.full((), 2.0, device=device)}, trainable=("w",))
+    monkeypatch.setitem(registry.CASES, case.name, case)
+
+    def install(p: Probe):
+        monkeypatch.setitem(registry.PROVIDERS, "probe", Provider("probe", p, "test probe", frozenset({"exact"})))
+        return p
+    return install
+
+
+def _probe_run(tmp_path, *args, modes="fwd,fwd+bwd"):
+    return _run(tmp_path, "--backend", "exact", "--cases", "probe_case", "--providers", "probe", "--modes", modes,
+                *args, reps=3)
+
+
+def test_inputs_rotate_are_seeded_nonzero_and_get_gradients_in_fwd_bwd(tmp_path, probe):
+    p = probe(Probe())
+    rc, rows = _probe_run(tmp_path)
+    assert rc == 0 and all(r["status"] == "ok" for r in rows)
+    for r in rows:
+        calls = [c for c in p.calls if c["N"] == int(r["N"]) and c["grad"] == (r["mode"] == "fwd+bwd")]
+        assert len(calls) == 1 + 3  # warmup, then reps (no peak-memory call off CUDA)
+        assert all(c["w_grad"] == c["grad"] for c in calls)
+        assert len({c["ptr"] for c in calls}) == min(int(r["input_sets"]), len(calls)) > 1
+        assert all(0.5 < c["q_std"] < 2.0 for c in calls)
+    case = registry.CASES["probe_case"].tiny()
+    a, b = (run.make_inputs(case, 16, torch.device("cpu"), seed=3, count=2) for _ in range(2))
+    assert torch.equal(a[0]["q"], b[0]["q"]) and not torch.equal(a[0]["q"], a[1]["q"])
+    assert not torch.equal(a[0]["q"], a[0]["k"])
+
+
+def test_oom_records_and_skips_the_larger_sizes(tmp_path, probe):
+    probe(Probe(fail=lambda n: torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB") if n >= 16
+                else None))
+    rc, rows = _probe_run(tmp_path, modes="fwd")
+    assert rc == 0
+    assert [(r["N"], r["status"]) for r in rows] == [("8", "ok"), ("16", "oom"), ("32", "skipped")]
+    assert "Tried to allocate" in rows[1]["message"] and rows[2]["message"] == "after OOM at N=16"
+
+
+def test_not_implemented_is_skipped_and_other_errors_are_errors(tmp_path, probe):
+    probe(Probe(fail=lambda n: NotImplementedError("hfab::x has no CUDA kernel") if n == 8
+                else TypeError("bad kwarg") if n == 16 else None))
+    rc, rows = _probe_run(tmp_path, modes="fwd")
+    assert rc == 1
+    assert [(r["N"], r["status"]) for r in rows] == [("8", "skipped"), ("16", "error"), ("32", "ok")]
+    assert rows[0]["message"] == "NotImplementedError: hfab::x has no CUDA kernel"
+    assert rows[1]["message"] == "TypeError: bad kwarg"
+    assert rows[0]["median_ms"] == "" and rows[1]["median_ms"] == ""
+
+
+def test_a_wrong_output_shape_is_an_error(tmp_path, probe):
+    probe(Probe(shape_ok=False))
+    rc, rows = _probe_run(tmp_path, modes="fwd")
+    assert rc == 1 and all(r["status"] == "error" and "expected (B, H, N, D)" in r["message"] for r in rows)
+
+
+def test_size_budget_skips_the_sweep_and_time_budget_skips_everything(tmp_path, probe):
+    p = probe(Probe())
+    rc, rows = _probe_run(tmp_path, "--size-budget", "1e-9", modes="fwd")
+    assert rc == 0 and [r["status"] for r in rows] == ["skipped"] * 3
+    assert "> budget" in rows[0]["message"] and "--size-budget" in rows[0]["message"]
+    assert rows[1]["message"].startswith("N=8 was over budget") and "larger sizes skipped" in rows[2]["message"]
+    assert len(p.calls) == 1  # the warm-up call only
+    rc, rows = _probe_run(tmp_path, "--time-budget", "0", modes="fwd")
+    assert [r["status"] for r in rows[3:]] == ["skipped"] * 3 and len(p.calls) == 1
+    assert all("--time-budget 0 s exhausted" in r["message"] for r in rows[3:])
+
+
+def test_cli_rejects_bad_arguments(tmp_path):
+    with pytest.raises(SystemExit):
+        run.main(["--device", "cpu", "--modes", "bwd"])
+    with pytest.raises(SystemExit):
+        run.main(["--device", "cuda", "--reps", "5"])  # no CUDA here, or fewer than 20 reps on CUDA
+    with pytest.raises(ValueError, match="--backend 'softmax'"):
+        run.main(["--device", "cpu", "--backend", "softmax", "--out", str(tmp_path / "x.csv")])
+    with pytest.raises(ValueError, match="--providers"):
+        run.main(["--device", "cpu", "--providers", "flash", "--out", str(tmp_path / "x.csv")])
+
+
+def test_summarize_percentiles():
+    # 1..10: median 5.5; linear interpolation at rank 0.2*9 = 1.8 -> 2.8 and 0.8*9 = 7.2 -> 8.2
+    assert timing.summarize([float(x) for x in (7, 1, 10, 3, 2, 9, 4, 5, 8, 6)]) == pytest.approx((5.5, 2.8, 8.2))
+
+
+def test_measure_counts_calls_and_stops_over_budget():
+    calls = []
+    m = timing.measure(calls.append, torch.device("cpu"), warmup=2, reps=5, budget_s=60)
+    assert calls == list(range(7)) and m.reps == 5 and m.peak_mem_mb is None and m.median_ms >= 0
+    calls.clear()
+    with pytest.raises(timing.OverBudget):
+        timing.measure(lambda i: (calls.append(i), time.sleep(0.01)), torch.device("cpu"),
+                       warmup=1, reps=20, budget_s=0.05)
+    assert calls == [0]
+
+
+def test_is_oom():
+    assert timing.is_oom(torch.OutOfMemoryError("CUDA out of memory"))
+    assert timing.is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))
+    assert not timing.is_oom(ValueError("out of memory"))
+    assert not timing.is_oom(RuntimeError("shape mismatch"))
+
+
+def test_input_set_count_spans_four_caches():
+    registry.load()
+    case = registry.CASES["exact_d64_causal"]
+    cpu = torch.device("cpu")  # nominal cache 32 MiB: the sets must span 128 MiB
+    # one set (q, k, v, dout), B=1, H=16, D=64, fp16: 4 * 16 * N * 64 * 2 B = 8 KiB * N
+    assert run.input_set_count(case, 32, cpu) == run.MAX_INPUT_SETS
+    assert run.input_set_count(case, 4096, cpu) == 4
+    assert run.input_set_count(case, 6000, cpu) == 3
+    assert run.input_set_count(case, 16384, cpu) == 1
+    assert run.input_set_count(case, 1 << 20, cpu) == 1
+
+
+def test_format_table_reports_ratio_and_messages():
+    base = dict.fromkeys(report.COLUMNS, "")
+    rows = [dict(base, case="c", N="8", mode="fwd", provider="ours", status="ok", median_ms="2.0"),
+            dict(base, case="c", N="8", mode="fwd", provider="sdpa", status="ok", median_ms="3.0"),
+            dict(base, case="c", N="8", mode="fwd", provider="reference", status="oom", message="boom")]
+    text = report.format_table(rows)
+    lines = text.splitlines()
+    assert lines[0].split() == ["case", "N", "mode", "ours", "ms", "sdpa", "ms", "reference", "ms", "sdpa/ours"]
+    assert lines[1].split() == ["c", "8", "fwd", "2.000", "3.000", "oom", "1.50"]
+    assert lines[2].strip() == "oom: c N=8 reference fwd: boom"
+
+
+PTXAS_LOG = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z14exact_fwd_kernelPf' for 'sm_90'
+ptxas info    : Function properties for _Z14exact_fwd_kernelPf
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 96 registers, used 1 barriers, 400 bytes cmem[0]
+ptxas info    : Compiling entry function '_Z14exact_bwd_kernelPf' for 'sm_80'
+ptxas info    : Function properties for _Z14exact_bwd_kernelPf
+    48 bytes stack frame, 40 bytes spill stores, 36 bytes spill loads
+ptxas info    : Used 255 registers, 400 bytes cmem[0]
+"""
+
+
+def test_ptxas_report_parses_registers_and_spills(tmp_path, capsys):
+    kernels = ptxas_report.parse(PTXAS_LOG)
+    assert [(k.name, k.arch, k.registers, k.stack, k.spill_stores, k.spill_loads) for k in kernels] == [
+        ("_Z14exact_fwd_kernelPf", "sm_90", 96, 0, 0, 0), ("_Z14exact_bwd_kernelPf", "sm_80", 255, 48, 40, 36)]
+    log = tmp_path / "build.log"
+    log.write_text(PTXAS_LOG)
+    assert ptxas_report.main([str(log), "--spills"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "ptxas: 2 kernel x arch entries, 1 with spills"
+    assert len(out) == 2 and "sm_80" in out[1] and "255 regs" in out[1] and "40/36" in out[1]
+
+
+def test_gpu_check_script_is_valid_bash():
+    subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", "gpu_check.sh")], check=True)
+
+
+@pytest.mark.slow
+def test_gpu_check_script_cpu_mode(tmp_path):
+    out, results = tmp_path / "out", tmp_path / "results"
+    env = dict(os.environ, OUT=str(out), BUILD="0", RUN_TESTS="0", BENCH="exact", BENCH_CASES="exact_d64_causal",
+               BENCH_MODES="fwd", BENCH_DEVICE="cpu", BENCH_RESULTS_DIR=str(results), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["bench.log", "build.log", "cpu.csv", "cpu.png", "env.log", "pytest.log"]
+    assert "benchmarks: ok" in proc.stdout and "sdpa/ours" in proc.stdout
+    rows = report.read_rows(str(results / "cpu.csv"))
+    assert len(rows) == 3 * len(registry.TINY_SIZES) and all(r["status"] == "ok" for r in rows)
+    assert rows[0]["run_id"].startswith("gpu_check-")
+    assert (out / "cpu.png").read_bytes()[:8] == PNG_MAGIC
