@@ -11,6 +11,7 @@ import csv
 import datetime
 import os
 import subprocess
+import uuid
 from collections import OrderedDict
 from typing import Optional
 
@@ -55,7 +56,7 @@ def environment(device: torch.device) -> dict:
     now = datetime.datetime.now(datetime.timezone.utc)
     return {
         "date": now.isoformat(timespec="seconds"),
-        "run_id": f"{now:%Y%m%dT%H%M%S}-{os.getpid()}",
+        "run_id": f"{now:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}",
         "gpu": device_name(device),
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none",
@@ -143,7 +144,6 @@ def plot(rows: list[dict], path: str) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
 
     cases = list(OrderedDict.fromkeys(r["case"] for r in rows))
     modes = list(OrderedDict.fromkeys(r["mode"] for r in rows))
@@ -161,7 +161,6 @@ def plot(rows: list[dict], path: str) -> str:
             if ax.lines:
                 ax.set_xscale("log", base=2)
                 ax.set_yscale("log")
-                ax.yaxis.set_minor_formatter(NullFormatter())
                 ax.legend(fontsize=8)
             else:
                 ax.text(0.5, 0.5, "no successful runs", ha="center", va="center", transform=ax.transAxes)

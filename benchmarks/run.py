@@ -152,13 +152,14 @@ class Runner:
         except NotImplementedError as err:
             return "skipped", f"NotImplementedError: {err}", None
         except Exception as err:  # noqa: BLE001 - the row records it; the sweep goes on
-            if is_oom(err):
-                message = f"{type(err).__name__}: {err}"
-                stopped[key] = f"after OOM at N={n}"
-                del err
-                release_memory(self.device)
-                return "oom", message, None
-            return "error", f"{type(err).__name__}: {err}", None
+            status, message = ("oom" if is_oom(err) else "error"), f"{type(err).__name__}: {err}"
+        else:
+            status, message = "ok", ""
+        if status == "oom":
+            stopped[key] = f"after OOM at N={n}"
+            release_memory(self.device)  # outside the except block: the traceback's tensors are gone
+        if status != "ok":
+            return status, message, None
         elapsed = time.monotonic() - started
         if elapsed > self.size_budget_s:
             stopped[key] = f"N={n} took {elapsed:.1f} s > --size-budget {self.size_budget_s:g} s; larger sizes skipped"
@@ -227,7 +228,7 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     parser.add_argument("--cpu-threads", type=int, default=1,
                         help="torch threads on --device cpu (default 1: stable timings on a shared machine)")
-    parser.add_argument("--run-id", default=None, help="the run_id column (default <UTC time>-<pid>)")
+    parser.add_argument("--run-id", default=None, help="the run_id column (default <UTC time>-<random hex>)")
     args = parser.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -236,6 +237,8 @@ def parse_args(argv):
         parser.error(f"--device {args.device!r} is not supported; supported: cuda, cuda:<i>, cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch.cuda.is_available() is False; use --device cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda" and args.reps < MIN_CUDA_REPS:
         parser.error(f"--reps {args.reps}: at least {MIN_CUDA_REPS} on CUDA (DESIGN.md: median of >= 20)")
     if args.reps < 1 or args.warmup < 1 or args.cpu_threads < 1:

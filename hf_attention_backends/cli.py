@@ -250,9 +250,11 @@ def run_verify(args) -> int:
         baseline["perplexity"] = perplexity(ref, batch["input_ids"], mask)
     results = []
     for backend in tqdm(backends, desc=f"hfab verify {args.model}", file=sys.stderr, disable=None):
-        enable_backend(model, backend, **configs[backend])
         try:
+            enable_backend(model, backend, **configs[backend])
             out, seconds = timed(forward, args.repeats, device)
+        except (ValueError, NotImplementedError) as err:
+            raise CliError(f"--backend {backend}: {err}") from err
         finally:
             disable_backend(model)
         results.append({"backend": backend, "config": configs[backend], "time_s": seconds, **metrics(out, ref)})
@@ -295,7 +297,7 @@ def _versions() -> dict:
     from . import __version__
 
     return {"hf_attention_backends": __version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "cuda": torch.version.cuda}
+            "transformers": transformers.__version__, "torch CUDA build": torch.version.cuda}
 
 
 def run_info(args) -> int:
@@ -311,7 +313,7 @@ def run_info(args) -> int:
         # dispatcher, so only ops of a loaded extension can have a compiled one
         "ops": {op: {"cuda_kernel": loaded and has_cuda_kernel(op)} for op in registered_ops()},
     }
-    lines = [f"{name} {version}" for name, version in report["versions"].items()]
+    lines = [f"{name} {version or 'none'}" for name, version in report["versions"].items()]
     lines.append(f"CUDA device: {report['cuda_device'] or 'none'}")
     lines.append("CUDA extension: " + ("loaded" if loaded else f"not loaded ({report['extension_error']})"))
     lines += [f"  {op}: CUDA kernel {'yes' if v['cuda_kernel'] else 'no'}" for op, v in report["ops"].items()]

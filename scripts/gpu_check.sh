@@ -64,7 +64,8 @@ section "environment"
     date -u
     if command -v nvidia-smi >/dev/null; then nvidia-smi; else echo "nvidia-smi: not found"; fi
     if command -v nvcc >/dev/null; then nvcc --version | tail -n 2; else echo "nvcc: not found"; fi
-    if command -v ninja >/dev/null; then echo "ninja $(ninja --version)"; else echo "ninja: not found (slow serial build)"; fi
+    if command -v ninja >/dev/null; then echo "ninja $(ninja --version)"
+    else echo "ninja: not found (slow serial build)"; fi
     git -C "$ROOT" log -1 --format='git %h %s' 2>/dev/null || echo "git: no repository"
     "$PY" - <<'EOF'
 import platform, sys
@@ -92,7 +93,8 @@ if [[ $BUILD == 1 ]]; then
     if (( t < 30 )); then
         build_status="skipped (only ${t}s left)"
     else
-        echo "HFAB_BUILD_CUDA=1 HFAB_PTXAS_VERBOSE=1 MAX_JOBS=$MAX_JOBS $PY setup.py build_ext --inplace (cap ${t}s) > $OUT/build.log"
+        echo "HFAB_BUILD_CUDA=1 HFAB_PTXAS_VERBOSE=1 MAX_JOBS=$MAX_JOBS $PY setup.py build_ext --inplace" \
+             "(cap ${t}s) > $OUT/build.log"
         start=$SECONDS
         HFAB_BUILD_CUDA=1 HFAB_PTXAS_VERBOSE=1 timeout -k 10 "$t" \
             "$PY" setup.py build_ext --inplace -j "$MAX_JOBS" >"$OUT/build.log" 2>&1
@@ -144,7 +146,8 @@ echo "tests: $test_status"
 
 section "benchmarks"
 RUN_ID="gpu_check-$(date -u +%Y%m%dT%H%M%S)-$$"
-SLUG=$("$PY" -c "import torch; from benchmarks.report import device_slug; print(device_slug(torch.device('$BENCH_DEVICE')))" 2>/dev/null || echo "$BENCH_DEVICE")
+SLUG=$("$PY" -c "import sys, torch; from benchmarks.report import device_slug
+print(device_slug(torch.device(sys.argv[1])))" "$BENCH_DEVICE" 2>/dev/null || echo "$BENCH_DEVICE")
 CSV=$BENCH_RESULTS_DIR/$SLUG.csv
 PNG=$BENCH_RESULTS_DIR/$SLUG.png
 if [[ $BENCH != none ]]; then

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+import hf_attention_backends  # noqa: F401  (imported at collection, not inside the first test's timing)
 from benchmarks import ptxas_report, registry, report, run, timing
 from benchmarks.registry import Case, Provider
 
@@ -55,7 +56,8 @@ def test_every_registered_case_runs_on_cpu(tmp_path):
     rc, rows = _run(tmp_path, "--modes", "fwd", "--providers", "ours,reference", reps=1)
     registry.load()
     assert {r["case"] for r in rows} == set(registry.CASES)
-    assert rc == 0 and all(r["status"] == "ok" for r in rows), [r for r in rows if r["status"] != "ok"]
+    assert rc == 0 and all(r["status"] == "ok" for r in rows), [(r["case"], r["provider"], r["status"], r["message"])
+                                                                 for r in rows if r["status"] != "ok"]
 
 
 # DESIGN.md "Benchmarks" and issues 4-7, written out here independently of benchmarks/bench_*.py

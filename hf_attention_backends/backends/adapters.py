@@ -39,11 +39,7 @@ def implementation_name(backend: str) -> str:
     return f"hfab_{backend}"
 
 
-def _default_configs():
-    return {name: make_config(name) for name in BACKENDS}
-
-
-_DEFAULTS = _default_configs()
+_DEFAULTS = {name: make_config(name) for name in BACKENDS}
 
 
 def module_causal(module, kwargs) -> bool:

@@ -241,7 +241,7 @@ def test_output_attentions_refused():
     with pytest.raises(NotImplementedError, match="output_attentions=True is not supported"):
         model(**tiny_inputs("gpt2"), output_attentions=True)
     with pytest.raises(NotImplementedError, match="output_attentions=True"):
-        hfab.enable_backend(tiny_model("gpt2", output_attentions=True), "exact")
+        hfab.enable_backend(tiny_model("gpt2", "eager", output_attentions=True), "exact")
 
 
 def _call(module, q, k, **kwargs):
