@@ -6,10 +6,11 @@ functions with transformers' AttentionInterface / AttentionMaskInterface.
 from .ops import exact_attention, make_planes, nystrom_attention, race_attention, stieltjes_attention
 from .backends import disable_backend, enable_backend
 from .convert import convert, from_pretrained
+from . import nn
 
 __version__ = "0.1.0"
 
 __all__ = [
     "nystrom_attention", "stieltjes_attention", "race_attention", "exact_attention", "make_planes",
-    "enable_backend", "disable_backend", "convert", "from_pretrained", "__version__",
+    "enable_backend", "disable_backend", "convert", "from_pretrained", "nn", "__version__",
 ]

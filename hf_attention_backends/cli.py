@@ -79,12 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--backend", action="append", metavar="NAME[,NAME]",
                         help="backend(s) to verify, repeatable or comma separated (default: all that fit the model)")
     verify.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
-    verify.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    verify.add_argument("--num-texts", type=int, help="sentences (minilm, default 8) or articles (smollm2, default 4)")
-    verify.add_argument("--seq-len", type=int, default=256, help="smollm2: tokens per article (default 256)")
-    verify.add_argument("--repeats", type=int, default=1, help="forwards timed per backend, after one warm-up when > 1; the median is reported (default 1)")
+    verify.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (default float32)")
+    verify.add_argument("--num-texts", type=int, metavar="N", help="sentences (minilm, default 8) or articles (smollm2, default 4)")
+    verify.add_argument("--seq-len", type=int, default=256, metavar="N", help="smollm2: tokens per article (default 256)")
+    verify.add_argument("--repeats", type=int, default=1, metavar="N",
+                        help="forwards timed per backend (after one warm-up when > 1); the median is reported")
     for name, kind, text in KNOBS:
-        verify.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, help=text)
+        verify.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, metavar=kind.__name__.upper(),
+                            help=text)
     verify.add_argument("--json", metavar="PATH|-", help="also write the results as JSON to PATH (- = stdout only)")
     verify.set_defaults(func=run_verify)
 
@@ -186,8 +188,10 @@ def perplexity(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor
 
 
 def logit_metrics(out: torch.Tensor, ref: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> dict:
-    """|Δlogit| and top-1 agreement over real positions; perplexity of ``out``. (B, N, V) logits are
-    compared in fp32 (a (B, N, V) fp64 copy would be large; fp32 differences of fp32 logits are exact to 1 ulp)."""
+    """|Δlogit| and top-1 agreement over real positions; perplexity of ``out``.
+
+    Differences are taken in fp32: an fp64 copy of (B, N, V) logits would be large.
+    """
     diff = (out.float() - ref.float()).abs()[mask]  # (tokens, V)
     agree = (out.argmax(-1) == ref.argmax(-1))[mask]
     return {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.double().mean().item(),

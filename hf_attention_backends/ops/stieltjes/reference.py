@@ -1,0 +1,127 @@
+"""Stieltjes attention, the pure-PyTorch spec of the ``hfab::stieltjes_*`` ops (README.md has the math).
+
+For each query row i over its allowed keys j: s_ij = scale * q_i . k_j, x_ij = s_ij - max_j s_ij,
+lambda_i solves sum_j (lambda_i - x_ij)^(-order) = 1 (Newton on f^(-1/order) - 1 from a lower
+bound, ``newton_iter`` steps), P_ij = (lambda_i - x_ij)^(-order), out_i = sum_j P_ij v_j / sum_j P_ij.
+
+Compute dtype fp32 (fp64 for fp64 inputs). Queries are processed in chunks so that no tensor is
+larger than about ``_CHUNK_ELEMENTS`` scores. Rows that may attend to no key are computed as if
+every key were allowed (so nothing is NaN, even under autograd) and their output is set to 0; their
+rowmax and lambda are that row's and carry no meaning.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from .._common import allowed_keys, compute_dtype, repeat_kv, zero_empty_rows
+from ..exact.reference import _sum_groups
+
+_CHUNK_ELEMENTS = 1 << 25
+
+
+def _row_chunks(batch: int, heads: int, n_q: int, n_k: int) -> list[slice]:
+    rows = max(1, _CHUNK_ELEMENTS // max(1, batch * heads * n_k))
+    return [slice(a, min(a + rows, n_q)) for a in range(0, n_q, rows)]
+
+
+def _allowed(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], causal: bool) -> tuple[Tensor, Tensor]:
+    """-> allowed (B, 1, Nq, Nk) with empty rows opened to every key, has_key (B, 1, Nq, 1)."""
+    allowed = allowed_keys(q.shape[2], k.shape[2], causal=causal, key_padding_mask=key_padding_mask,
+                           batch=q.shape[0], device=q.device)
+    has_key = allowed.any(dim=-1, keepdim=True)
+    return allowed | ~has_key, has_key
+
+
+def _scores(q: Tensor, k: Tensor, allowed: Tensor, scale: float) -> Tensor:
+    """(B, H, c, D) x (B, H, Nk, D) -> (B, H, c, Nk) scores, -inf at keys that are not allowed."""
+    return (torch.matmul(q, k.transpose(-1, -2)) * scale).masked_fill(~allowed, float("-inf"))
+
+
+def solve_lambda(x: Tensor, allowed: Tensor, order: float, newton_iter: int) -> Tensor:
+    """lambda (...,) with sum_j (lambda - x_j)^(-order) = 1, for x (..., Nk) with max_j x_j = 0.
+
+    x is -inf at keys that are not allowed; every row has an allowed key. The root lies in
+    [1, n^(1/order)] (n = allowed keys). Start: lambda_0 = max(1, n^(1/order) + mean_j x_j), a lower
+    bound (Jensen). Newton on F = f^(-1/order) - 1 (f^(-1/order) is concave and increasing) from a
+    lower bound stays a lower bound and increases monotonically: it cannot overshoot or diverge.
+    """
+    n = allowed.sum(dim=-1).to(x.dtype)
+    mean_x = torch.where(allowed, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim=-1) / n
+    lam = torch.clamp_min(n.pow(1.0 / order) + mean_x, 1.0)
+    for _ in range(newton_iter):
+        y = lam[..., None] - x  # inf at keys that are not allowed
+        p = y.pow(-order)
+        f = p.sum(dim=-1)
+        s1 = (p / y).sum(dim=-1)  # sum_j y^(-order-1) = -f'(lambda) / order
+        lam = torch.clamp_min(lam + f * (f.pow(1.0 / order) - 1.0) / s1, 1.0)
+    return lam
+
+
+def _forward_chunk(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, order: float,
+                   newton_iter: int) -> tuple[Tensor, Tensor, Tensor]:
+    s = _scores(q, k, allowed, scale)
+    rowmax = s.amax(dim=-1)
+    x = s - rowmax[..., None]
+    lam = solve_lambda(x, allowed, order, newton_iter)
+    p = (lam[..., None] - x).pow(-order)
+    out = torch.matmul(p, v) / p.sum(dim=-1, keepdim=True)
+    return out, rowmax, lam
+
+
+def stieltjes_forward(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], causal: bool,
+                      scale: float, order: float, newton_iter: int, *,
+                      recompute: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) -> out (B, Hq, Nq, D) in q.dtype, rowmax and lambda
+    (B, Hq, Nq) in the compute dtype. ``recompute``: checkpoint each query chunk (autograd through
+    this function keeps only the chunks' inputs, recomputing the rest in the backward)."""
+    ct = compute_dtype(q.dtype)
+    hq = q.shape[1]
+    qf, kf, vf = q.to(ct), repeat_kv(k, hq).to(ct), repeat_kv(v, hq).to(ct)
+    allowed, has_key = _allowed(q, k, key_padding_mask, causal)
+    outs, maxes, lams = [], [], []
+    for rows in _row_chunks(q.shape[0], hq, q.shape[2], k.shape[2]):
+        args = (qf[:, :, rows], kf, vf, allowed[:, :, rows], scale, order, newton_iter)
+        out, rowmax, lam = checkpoint(_forward_chunk, *args, use_reentrant=False) if recompute \
+            else _forward_chunk(*args)
+        outs.append(out)
+        maxes.append(rowmax)
+        lams.append(lam)
+    out = zero_empty_rows(torch.cat(outs, dim=2), has_key)
+    return out.to(q.dtype), torch.cat(maxes, dim=2), torch.cat(lams, dim=2)
+
+
+def stieltjes_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, rowmax: Tensor, lam: Tensor,
+                       key_padding_mask: Optional[Tensor], causal: bool, scale: float,
+                       order: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradient of the exact-root function (implicit function theorem) at the saved lambda.
+
+    r = (lambda - x)^(-order-1), dP = dO v^T, delta_i = sum_j dP_ij r_ij / sum_j r_ij,
+    dS = order * r * (dP - delta), dq = scale dS k, dk = scale dS^T q, dv = (P / rowsum P)^T dO.
+    Returns dq (B, Hq, Nq, D), dk, dv (B, Hkv, Nk, D) in the inputs' dtypes.
+    """
+    ct = compute_dtype(q.dtype)
+    hq, hkv = q.shape[1], k.shape[1]
+    qf, kf, vf = q.to(ct), repeat_kv(k, hq).to(ct), repeat_kv(v, hq).to(ct)
+    allowed, has_key = _allowed(q, k, key_padding_mask, causal)
+    do = dout.to(ct) * has_key  # rows with no key output a constant 0
+    rowmax, lam = rowmax.to(ct), lam.to(ct)
+    dq = torch.empty_like(qf)
+    dk = torch.zeros_like(kf)
+    dv = torch.zeros_like(vf)
+    for rows in _row_chunks(q.shape[0], hq, q.shape[2], k.shape[2]):
+        x = _scores(qf[:, :, rows], kf, allowed[:, :, rows], scale) - rowmax[:, :, rows, None]
+        y = lam[:, :, rows, None] - x
+        p = y.pow(-order)
+        r = p / y
+        do_c = do[:, :, rows]
+        dp = torch.matmul(do_c, vf.transpose(-1, -2))
+        delta = (dp * r).sum(dim=-1, keepdim=True) / r.sum(dim=-1, keepdim=True)
+        ds = order * r * (dp - delta)
+        dq[:, :, rows] = torch.matmul(ds, kf) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), qf[:, :, rows]) * scale
+        dv += torch.matmul((p / p.sum(dim=-1, keepdim=True)).transpose(-1, -2), do_c)
+    return dq.to(q.dtype), _sum_groups(dk, hkv).to(k.dtype), _sum_groups(dv, hkv).to(v.dtype)
