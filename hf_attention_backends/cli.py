@@ -80,8 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="backend(s) to verify, repeatable or comma separated (default: all that fit the model)")
     verify.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     verify.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (default float32)")
-    verify.add_argument("--num-texts", type=int, metavar="N", help="sentences (minilm, default 8) or articles (smollm2, default 4)")
-    verify.add_argument("--seq-len", type=int, default=256, metavar="N", help="smollm2: tokens per article (default 256)")
+    verify.add_argument("--num-texts", type=int, metavar="N",
+                        help="sentences (minilm, default 8) or articles (smollm2, default 4)")
+    verify.add_argument("--seq-len", type=int, default=256, metavar="N",
+                        help="smollm2: tokens per article (default 256)")
     verify.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="forwards timed per backend (after one warm-up when > 1); the median is reported")
     for name, kind, text in KNOBS:
@@ -261,11 +263,12 @@ def run_verify(args) -> int:
     for backend in tqdm(backends, desc=f"hfab verify {args.model}", file=sys.stderr, disable=None):
         try:
             enable_backend(model, backend, **configs[backend])
-            out, seconds = timed(forward, args.repeats, device)
+            try:
+                out, seconds = timed(forward, args.repeats, device)
+            finally:
+                disable_backend(model)
         except (ValueError, NotImplementedError) as err:
             raise CliError(f"--backend {backend}: {err}") from err
-        finally:
-            disable_backend(model)
         results.append({"backend": backend, "config": configs[backend], "time_s": seconds, **metrics(out, ref)})
 
     report = {
@@ -292,9 +295,9 @@ def _verify_table(report: dict) -> str:
               for key, _, fmt in columns] for row in rows]
     headers = [header for _, header, _ in columns]
     widths = [max(len(x) for x in column) for column in zip(headers, *cells)]
-    texts = report["texts"]
+    texts, plural = report["texts"], "s" * (report["texts"]["count"] != 1)
     title = (f"{report['model']} ({report['compared']}, {report['dtype']}, {report['device']}): "
-             f"{texts['count']} texts from {texts['corpus']}, {texts['tokens']} real tokens")
+             f"{texts['count']} text{plural} from {texts['corpus']}, {texts['tokens']} real tokens")
     lines = [title] + ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                        for row in [headers] + cells]
     return "\n".join(lines)

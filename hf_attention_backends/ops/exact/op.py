@@ -70,7 +70,8 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
     """Exact softmax attention (FlashAttention-2 algorithm; CUDA-core kernel on GPU).
 
     Args:
-        q: (B, Hq, Nq, D) float16, bfloat16, float32 (float64 on CPU).
+        q: (B, Hq, Nq, D). CPU (reference): float16, bfloat16, float32, float64. CUDA (kernel):
+            float16 on any GPU, bfloat16 on sm_80+; head dims 32, 64, 128.
         k, v: (B, Hkv, Nk, D), same dtype and device; Hq must be a multiple of Hkv (GQA/MQA).
         causal: bottom-right aligned causal mask (query i sees keys j <= i + Nk - Nq).
         scale: score scale, default D**-0.5.

@@ -1,7 +1,6 @@
 """``hfab::nystrom_fwd`` / ``hfab::nystrom_bwd`` and the public :func:`nystrom_attention`."""
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional
 
@@ -22,23 +21,13 @@ def _nystrom_fwd(q: Tensor, k: Tensor, v: Tensor, conv_weight: Optional[Tensor],
                                      scale).contiguous()
 
 
-@contextlib.contextmanager
-def _autograd_dispatch():
-    """Custom-op kernels run below the Autograd dispatch key; re-include it so autograd can record a graph."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    exclude = exclude.remove(torch._C.DispatchKey.AutogradFunctionality).remove(torch._C.DispatchKey.ADInplaceOrView)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
-        yield
-
-
 def _nystrom_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, conv_weight: Optional[Tensor],
                  key_padding_mask: Optional[Tensor], num_landmarks: int, newton_iter: int, kappa_star: float,
                  scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Autograd through the reference: the exact gradient through every Newton–Schulz iterate.
     dconv is empty (numel 0) when conv_weight is None."""
     inputs = (q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star, scale)
-    with _autograd_dispatch():
-        dq, dk, dv, dconv = reference_vjp(reference.nystrom_forward, inputs, dout)[:4]
+    dq, dk, dv, dconv = reference_vjp(reference.nystrom_forward, inputs, dout)[:4]
     dconv = q.new_empty(0) if dconv is None else dconv.contiguous()
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dconv
 

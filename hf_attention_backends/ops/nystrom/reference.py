@@ -99,12 +99,15 @@ def nystrom_forward(q: Tensor, k: Tensor, v: Tensor, conv_weight: Optional[Tenso
     if key_padding_mask is None:
         out = _attend(q_s, q_s, k_s, vc, num_landmarks, newton_iter, kappa_star)
     else:
-        out = q_s.new_zeros(q_s.shape)
+        rows = []
         for b in range(q.shape[0]):
             real = key_padding_mask[b].nonzero().squeeze(-1)  # compacted in order: left/right padding alike
-            if real.numel() > 0:
-                out[b:b + 1] = _attend(q_s[b:b + 1], q_s[b:b + 1, :, real], k_s[b:b + 1, :, real],
-                                       vc[b:b + 1, :, real], num_landmarks, newton_iter, kappa_star)
-    if conv_weight is not None:
+            if real.numel() == 0:  # zeros that stay in the autograd graph (the CPU backward differentiates them)
+                rows.append(q_s[b:b + 1].masked_fill(~key_padding_mask[b][:, None], 0.0))
+            else:
+                rows.append(_attend(q_s[b:b + 1], q_s[b:b + 1, :, real], k_s[b:b + 1, :, real], vc[b:b + 1, :, real],
+                                    num_landmarks, newton_iter, kappa_star))
+        out = torch.cat(rows) if rows else q_s  # B = 0: q_s is the empty output
+    if conv_weight is not None and q.shape[2] > 0:  # conv2d rejects an empty sequence
         out = out + conv_residual(vc, conv_weight, key_padding_mask, q.shape[1])
     return out.to(q.dtype)

@@ -1,2 +1,116 @@
-def stieltjes_attention(*args, **kwargs):
-    raise NotImplementedError("stieltjes_attention: work in progress (issue 2)")
+"""``hfab::stieltjes_fwd`` / ``hfab::stieltjes_bwd`` and the public :func:`stieltjes_attention`."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._common import check_key_padding_mask, check_positive_int, check_qkv, compute_dtype, resolve_scale
+from .._registry import cpu_op
+from . import reference
+
+MAX_NEWTON_ITER = 100
+
+
+def _stieltjes_fwd(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], causal: bool,
+                   scale: float, order: float, newton_iter: int) -> tuple[Tensor, Tensor, Tensor]:
+    out, rowmax, lam = reference.stieltjes_forward(q, k, v, key_padding_mask, causal, scale, order, newton_iter)
+    return out.contiguous(), rowmax.contiguous(), lam.contiguous()
+
+
+def _stieltjes_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, rowmax: Tensor, lam: Tensor,
+                   key_padding_mask: Optional[Tensor], causal: bool, scale: float,
+                   order: float) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = reference.stieltjes_backward(dout, q, k, v, rowmax, lam, key_padding_mask, causal, scale, order)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+stieltjes_fwd = cpu_op("stieltjes_fwd", _stieltjes_fwd)
+stieltjes_bwd = cpu_op("stieltjes_bwd", _stieltjes_bwd)
+
+
+@stieltjes_fwd.register_fake
+def _(q, k, v, key_padding_mask, causal, scale, order, newton_iter):
+    state_dtype = compute_dtype(q.dtype)
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(q.shape[:3], dtype=state_dtype), q.new_empty(q.shape[:3], dtype=state_dtype))
+
+
+@stieltjes_bwd.register_fake
+def _(dout, q, k, v, out, rowmax, lam, key_padding_mask, causal, scale, order):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key_padding_mask, causal, scale, order, _newton_iter = inputs
+    out, rowmax, lam = output
+    ctx.save_for_backward(q, k, v, out, rowmax, lam, key_padding_mask)
+    ctx.causal, ctx.scale, ctx.order = causal, scale, order
+
+
+def _backward(ctx, dout, _drowmax, _dlam):
+    q, k, v, out, rowmax, lam, key_padding_mask = ctx.saved_tensors
+    dq, dk, dv = stieltjes_bwd(dout.contiguous(), q, k, v, out, rowmax, lam, key_padding_mask, ctx.causal,
+                               ctx.scale, ctx.order)
+    return dq, dk, dv, None, None, None, None, None
+
+
+stieltjes_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_args(q, k, v, order, newton_iter, scale, key_padding_mask):
+    check_qkv(q, k, v)
+    key_padding_mask = check_key_padding_mask(key_padding_mask, k)
+    if isinstance(order, bool) or not isinstance(order, (int, float)):
+        raise TypeError(f"order must be a float, got {type(order).__name__} ({order!r})")
+    if not (math.isfinite(order) and order >= 1.0):
+        raise ValueError(f"order={order} is not supported; supported: a finite number >= 1 (default 4.0)")
+    newton_iter = check_positive_int("newton_iter", newton_iter, minimum=1, maximum=MAX_NEWTON_ITER)
+    return float(order), newton_iter, resolve_scale(scale, q.shape[-1]), key_padding_mask
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, order: float = 4.0, newton_iter: int = 3,
+                        causal: bool = False, scale: Optional[float] = None,
+                        key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """The pure-PyTorch reference with plain autograd (no op, no kernel): the benchmarks' baseline.
+
+    Its gradient is autograd through the ``newton_iter`` Newton steps (not the implicit-function
+    gradient of the op). Under autograd each query chunk is checkpointed, so memory stays O(chunk x Nk)
+    at long N; the backward recomputes the chunk's forward.
+    """
+    order, newton_iter, scale, key_padding_mask = _check_args(q, k, v, order, newton_iter, scale, key_padding_mask)
+    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    out, _, _ = reference.stieltjes_forward(q, k, v, key_padding_mask, bool(causal), scale, order, newton_iter,
+                                            recompute=recompute)
+    return out
+
+
+def stieltjes_attention(q: Tensor, k: Tensor, v: Tensor, *, order: float = 4.0, newton_iter: int = 3,
+                        causal: bool = False, scale: Optional[float] = None,
+                        key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """Stieltjes attention: power-law normalisation (lambda - x)^(-order) instead of softmax.
+
+    Args:
+        q: (B, Hq, Nq, D) float16, bfloat16, float32 (float64 on CPU).
+        k, v: (B, Hkv, Nk, D), same dtype and device; Hq must be a multiple of Hkv (GQA/MQA:
+            query head h reads kv head h // (Hq / Hkv)).
+        order: the power, a finite number >= 1 (default 4.0).
+        newton_iter: Newton steps for lambda, 1..100 (default 3). With the defaults the output is
+            within 1e-3 (relative, fp32 compute) of the output at the exact root for typical scores;
+            raise it for order < 4 or at N well beyond a few thousand.
+        causal: bottom-right aligned causal mask (query i sees keys j <= i + Nk - Nq).
+        scale: score scale, default D**-0.5.
+        key_padding_mask: optional (B, Nk) bool, True = real key.
+
+    Returns:
+        (B, Hq, Nq, D) in q.dtype, computed in fp32 (fp64 for fp64). Each row is a convex combination
+        of the allowed values; rows with no allowed key are 0. Differentiable in q, k, v; the gradient
+        is that of the exact root (implicit function theorem) evaluated at the computed lambda.
+    """
+    order, newton_iter, scale, key_padding_mask = _check_args(q, k, v, order, newton_iter, scale, key_padding_mask)
+    out, _, _ = stieltjes_fwd(q, k, v, key_padding_mask, bool(causal), scale, order, newton_iter)
+    return out

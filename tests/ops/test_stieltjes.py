@@ -1,0 +1,247 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import hf_attention_backends as hfab
+from hf_attention_backends.ops.stieltjes import reference
+from hf_attention_backends.ops.stieltjes.op import reference_attention
+from tests.inputs import SHAPES, make_padding, make_qkv
+from tests.tolerance import assert_close_to_oracle
+
+CONVERGED = 100  # newton_iter that puts lambda at the root (to rounding) for the small shapes here
+
+
+def oracle_stieltjes(q, k, v, *, order, causal, scale, key_padding_mask):
+    """Dense float64: per row, bisection for mu > max_j s_j with sum_j (mu - s_j)^(-order) = 1 over the
+    allowed keys; out_i = sum_j (mu_i - s_ij)^(-order) v_j (unnormalised: the weights sum to 1 at the root)."""
+    b_, hq, nq, _ = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    kv_head = torch.tensor([h // (hq // hkv) for h in range(hq)])
+    kk, vv = k.double()[:, kv_head], v.double()[:, kv_head]
+    s = torch.einsum("bhid,bhjd->bhij", q.double(), kk) * scale
+    i = torch.arange(nq)[:, None]
+    j = torch.arange(nk)[None, :]
+    ok = torch.ones(b_, 1, nq, nk, dtype=torch.bool)
+    if causal:
+        ok = ok & (j <= i + nk - nq)
+    if key_padding_mask is not None:
+        ok = ok & key_padding_mask[:, None, None, :]
+    ok = ok.expand_as(s)
+    n = ok.sum(-1).double()
+    smax = s.masked_fill(~ok, -math.inf).amax(-1).masked_fill(n == 0, 0.0)
+    lo, hi = smax.clone(), smax + n.clamp_min(1) ** (1 / order) + 1.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        w = torch.where(ok, (mid[..., None] - s).clamp_min(1e-300) ** -order, 0.0)
+        above = w.sum(-1) > 1  # f decreasing in mu: the root is to the right
+        lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
+    mu = (lo + hi) / 2
+    w = torch.where(ok, (mu[..., None] - s) ** -order, 0.0)
+    return w @ vv
+
+
+def run(q, k, v, **kw):
+    return hfab.stieltjes_attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("padding", [None, "left"])
+@pytest.mark.parametrize("order", [1.0, 2.0, 4.0, 8.0])
+def test_reference_matches_oracle(shape, causal, padding, order):
+    q, k, v = make_qkv(*shape, seed=1)
+    mask = None if padding is None else make_padding(shape[0], shape[4], left=True)
+    kw = dict(order=order, causal=causal, scale=0.7, key_padding_mask=mask)
+    out = run(q, k, v, newton_iter=CONVERGED, **kw)
+    assert_close_to_oracle(out, oracle_stieltjes(q, k, v, **kw), atol=1e-12, rtol=1e-10)
+
+
+def test_non_integer_order_and_right_padding():
+    q, k, v = make_qkv(2, 4, 2, 9, 9, 8, seed=2)
+    kw = dict(order=2.5, causal=False, scale=0.4, key_padding_mask=make_padding(2, 9))
+    assert_close_to_oracle(run(q, k, v, newton_iter=CONVERGED, **kw), oracle_stieltjes(q, k, v, **kw),
+                           atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("order", [1.0, 4.0])
+def test_weights_sum_to_one_at_root(order):
+    q, k, v = make_qkv(2, 2, 1, 6, 11, 8, seed=3)
+    mask = make_padding(2, 11, min_real=7)
+    out, rowmax, lam = reference.stieltjes_forward(q, k, v, mask, True, 0.5, order, CONVERGED)
+    s = torch.einsum("bhid,bjd->bhij", q, k[:, 0]) * 0.5
+    ok = (torch.arange(11)[None, :] <= torch.arange(6)[:, None] + 5) & mask[:, None, None, :]
+    assert_close_to_oracle(rowmax, s.masked_fill(~ok, -math.inf).amax(-1), atol=1e-12, rtol=0, name="rowmax")
+    p = torch.where(ok, (lam[..., None] - (s - rowmax[..., None])).clamp_min(1e-300) ** -order, 0.0)
+    assert_close_to_oracle(p.sum(-1), torch.ones_like(lam), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_solver_within_1e3_of_root(causal):
+    """The accuracy contract: defaults (order 4, 3 Newton steps), fp32, N of a few thousand, scores
+    scaled x0.05, x1, x3, x10 (one batch entry each)."""
+    scales = torch.tensor([0.05, 1.0, 3.0, 10.0], dtype=torch.float64)[:, None, None, None]
+    nk, nq = 3001, 32  # causal with Nq < Nk: the last rows of a long prefix
+    q, k, v = make_qkv(4, 2, 1, nq, nk, 64, seed=4)
+    q, k = q * scales, k * scales
+    out = run(q.float(), k.float(), v.float(), causal=causal)
+    root = oracle_stieltjes(q, k, v, order=4.0, causal=causal, scale=64 ** -0.5, key_padding_mask=None)
+    for b in range(4):
+        assert_close_to_oracle(out[b], root[b], atol=0, rtol=1e-3, name=f"output at x{float(scales[b])}")
+
+
+@pytest.mark.parametrize("order", [1.0, 8.0])
+def test_solver_monotone_lower_bound_exact_for_uniform(order):
+    """Newton from the start never passes the root; with equal scores one step is exact."""
+    x = -torch.rand(3, 40, dtype=torch.float64) * 5
+    x[:, 0] = 0.0
+    ok = torch.ones_like(x, dtype=torch.bool)
+    root = reference.solve_lambda(x, ok, order, CONVERGED)
+    previous = torch.ones(3, dtype=torch.float64)
+    for it in range(1, 8):
+        lam = reference.solve_lambda(x, ok, order, it)
+        assert ((lam[..., None] - x) ** -order).sum(-1).ge(1 - 1e-12).all()  # still left of the root
+        assert (previous <= lam + 1e-12).all() and (lam <= root + 1e-12).all()
+        previous = lam
+    flat = torch.zeros(2, 40, dtype=torch.float64)
+    assert_close_to_oracle(reference.solve_lambda(flat, ok[:2], order, 1),
+                           torch.full((2,), 40 ** (1 / order), dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2, 1, 4, 6, 4), (2, 2, 2, 5, 5, 3)])
+def test_gradcheck(shape, causal):
+    q, k, v = make_qkv(*shape, requires_grad=True, seed=5)
+    mask = make_padding(shape[0], shape[4], min_real=2)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: run(q, k, v, order=3.0, causal=causal, key_padding_mask=mask, newton_iter=CONVERGED),
+        (q, k, v))
+
+
+def test_op_gradient_is_the_root_gradient_not_the_newton_unroll():
+    """Converged: IFT gradient = autograd through the converged reference. Few steps: they differ."""
+    q, k, v = make_qkv(1, 2, 1, 5, 7, 4, scale=2.0, requires_grad=True, seed=6)
+    dout = torch.randn(1, 2, 5, 4, dtype=torch.float64)
+    grads = {}
+    for name, fn in (("op", run), ("unrolled", reference_attention)):
+        for it in (1, CONVERGED):
+            grads[name, it] = torch.autograd.grad(fn(q, k, v, causal=True, newton_iter=it), (q, k, v), dout)
+    for a, b in zip(grads["op", CONVERGED], grads["unrolled", CONVERGED]):
+        assert_close_to_oracle(a, b, atol=1e-10, rtol=1e-8, name="grad")
+    assert not torch.allclose(grads["op", 1][0], grads["unrolled", 1][0], atol=1e-6)
+
+
+def test_reference_attention_equals_op_forward():
+    q, k, v = make_qkv(2, 4, 2, 9, 12, 8, dtype=torch.float32, seed=7)
+    kw = dict(causal=True, key_padding_mask=make_padding(2, 12))
+    assert_close_to_oracle(reference_attention(q, k, v, **kw), run(q, k, v, **kw), atol=0, rtol=0)
+
+
+def test_query_chunking_is_invisible(monkeypatch):
+    q, k, v = make_qkv(2, 2, 1, 13, 13, 8, seed=8, requires_grad=True)
+    kw = dict(causal=True, key_padding_mask=make_padding(2, 13))
+    whole = run(q, k, v, **kw)
+    g_whole = torch.autograd.grad(whole.sum(), (q, k, v))
+    monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 2 * 2 * 13 * 3)  # chunks of 3 query rows
+    chunked = run(q, k, v, **kw)
+    assert_close_to_oracle(chunked, whole, atol=1e-14, rtol=0)
+    for a, b in zip(torch.autograd.grad(chunked.sum(), (q, k, v)), g_whole):
+        assert_close_to_oracle(a, b, atol=1e-13, rtol=0, name="grad")
+    args = (q, k, v, kw["key_padding_mask"], True, 0.3, 4.0, 3)
+    plain, _, _ = reference.stieltjes_forward(*args)
+    checkpointed, _, _ = reference.stieltjes_forward(*args, recompute=True)
+    for a, b in zip(torch.autograd.grad(checkpointed.sum(), (q, k, v)), torch.autograd.grad(plain.sum(), (q, k, v))):
+        assert_close_to_oracle(a, b, atol=1e-14, rtol=0, name="grad")
+
+
+def test_fully_masked_rows_are_zero_with_zero_grad():
+    q, k, v = make_qkv(1, 1, 1, 6, 3, 4, requires_grad=True, seed=9)
+    out = run(q, k, v, causal=True)  # Nq > Nk: rows 0..2 see no key
+    assert torch.equal(out[0, 0, :3], torch.zeros(3, 4, dtype=torch.float64))
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.equal(q.grad[0, 0, :3], torch.zeros(3, 4, dtype=torch.float64))
+    assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+    assert torch.isfinite(reference_attention(q, k, v, causal=True)).all()
+
+
+@pytest.mark.parametrize("sc", [0.05, 1.0, 3.0, 10.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_nan_at_scales(sc, dtype):
+    q, k, v = make_qkv(2, 4, 2, 33, 40, 16, dtype=dtype, scale=sc, requires_grad=True, seed=10)
+    mask = make_padding(2, 40, seed=1)
+    for fn in (run, reference_attention):
+        out = fn(q, k, v, causal=True, key_padding_mask=mask, order=1.0 if fn is run else 8.0)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opcheck(dtype):
+    q, k, v = make_qkv(2, 4, 2, 9, 11, 8, dtype=dtype, requires_grad=True, seed=11)
+    mask = make_padding(2, 11)
+    torch.library.opcheck(torch.ops.hfab.stieltjes_fwd.default, (q, k, v, mask, True, 0.5, 4.0, 3))
+    torch.library.opcheck(torch.ops.hfab.stieltjes_fwd.default, (q, k, v, None, False, 0.5, 1.5, 7))
+    q, k, v = q.detach(), k.detach(), v.detach()
+    out, rowmax, lam = torch.ops.hfab.stieltjes_fwd(q, k, v, mask, True, 0.5, 4.0, 3)
+    assert rowmax.dtype == lam.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.library.opcheck(torch.ops.hfab.stieltjes_bwd.default,
+                          (torch.randn_like(out), q, k, v, out, rowmax, lam, mask, True, 0.5, 4.0))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(order=0.5), r"order=0.5 .*>= 1"),
+    (dict(order=float("inf")), "order=inf"),
+    (dict(order=float("nan")), "order=nan"),
+    (dict(order="4"), "order must be a float"),
+    (dict(order=True), "order must be a float"),
+    (dict(newton_iter=0), "newton_iter=0"),
+    (dict(newton_iter=101), r"newton_iter=101 .*<= 100"),
+    (dict(newton_iter=3.0), "newton_iter must be an int"),
+    (dict(scale=0.0), "scale=0.0"),
+    (dict(key_padding_mask=torch.ones(1, 5)), "torch.bool"),
+    (dict(q=torch.randn(1, 3, 5, 8)), "multiple of key/value heads"),
+    (dict(q=torch.randn(1, 2, 5, 4)), "head dims differ"),
+])
+def test_boundary_errors(bad, match):
+    args = dict(q=torch.randn(1, 2, 5, 8), k=torch.randn(1, 2, 5, 8), v=torch.randn(1, 2, 5, 8))
+    args.update(bad)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    for fn in (run, reference_attention):
+        with pytest.raises((ValueError, TypeError), match=match):
+            fn(q, k, v, **args)
+
+
+def test_compile_fullgraph():
+    q, k, v = make_qkv(1, 2, 1, 9, 9, 8, dtype=torch.float32, requires_grad=True, seed=12)
+    f = lambda q, k, v: run(q, k, v, causal=True, order=2.0, newton_iter=5)  # noqa: E731
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    out = compiled(q, k, v)
+    assert_close_to_oracle(out, f(q, k, v), atol=0, rtol=0)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(f(q, k, v).sum(), (q, k, v))):
+        assert_close_to_oracle(a, b, atol=0, rtol=0, name="grad")
+
+
+@given(b=st.integers(1, 2), hkv=st.integers(1, 2), groups=st.integers(1, 2), nq=st.integers(1, 9),
+       nk=st.integers(1, 9), d=st.sampled_from([1, 4, 8]), causal=st.booleans(), padded=st.booleans(),
+       order=st.one_of(st.floats(0.0, 9.0), st.just(1.0)), newton_iter=st.integers(-1, 102),
+       sc=st.sampled_from([0.05, 1.0, 3.0]), seed=st.integers(0, 2 ** 16))
+def test_property_matches_oracle_or_raises(b, hkv, groups, nq, nk, d, causal, padded, order, newton_iter, sc, seed):
+    q, k, v = make_qkv(b, hkv * groups, hkv, nq, nk, d, scale=sc, seed=seed)
+    mask = make_padding(b, nk, min_real=0, seed=seed) if padded else None
+    kw = dict(order=order, causal=causal, key_padding_mask=mask)
+    if order < 1 or not 1 <= newton_iter <= 100:
+        with pytest.raises(ValueError, match="order" if order < 1 else "newton_iter"):
+            run(q, k, v, newton_iter=newton_iter, **kw)
+        return
+    out = run(q, k, v, newton_iter=newton_iter, **kw)
+    assert torch.isfinite(out).all()
+    oracle = oracle_stieltjes(q, k, v, scale=d ** -0.5, **kw)
+    # any number of steps gives a convex combination of the values (0 for rows with no key); converged: the oracle
+    heads = torch.arange(hkv * groups) // groups
+    lo, hi = v.amin(2)[:, heads, None].clamp_max(0), v.amax(2)[:, heads, None].clamp_min(0)
+    assert ((out >= lo - 1e-12) & (out <= hi + 1e-12)).all()
+    if newton_iter >= 60:
+        assert_close_to_oracle(out, oracle, atol=1e-10, rtol=1e-8)
