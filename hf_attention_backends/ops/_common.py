@@ -117,7 +117,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _autograd_dispatch_keys() -> torch._C.DispatchKeySet:
     outside = torch._C._dispatch_tls_local_exclude_set()
-    with torch._C._AutoDispatchBelowAutograd():
+    with torch._C._AutoDispatchBelowADInplaceOrView():  # autograd keys and ADInplaceOrView
         return torch._C._dispatch_tls_local_exclude_set() - outside
 
 
@@ -143,7 +143,10 @@ def reference_vjp(forward, inputs: tuple, grad_output: Tensor) -> tuple:
                   for x in inputs]
         out = forward(*leaves)
         wrt = [x for x in leaves if isinstance(x, Tensor) and x.requires_grad]
-        grads = iter(torch.autograd.grad(out, wrt, grad_output, allow_unused=True))
+        if out.requires_grad:
+            grads = iter(torch.autograd.grad(out, wrt, grad_output, allow_unused=True))
+        else:  # the output depends on no input (e.g. every key padded): all gradients are 0
+            grads = iter([None] * len(wrt))
     result = []
     for x in leaves:
         if isinstance(x, Tensor) and x.requires_grad:
