@@ -56,6 +56,12 @@ def _gencode_flags(archs):
     return [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in archs]
 
 
+def _abi_flag():
+    """The C++ string ABI torch was built with: a mismatch crashes when a TORCH_CHECK message crosses over."""
+    import torch
+    return f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+
+
 def _extensions():
     if not _want_cuda():
         return [], {}
@@ -89,8 +95,8 @@ def _extensions():
         sources=["csrc/extension.cpp"] + _cuda_sources(),
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args={
-            "cxx": ["-O3"],
-            "nvcc": ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr",
+            "cxx": ["-O3", _abi_flag()],
+            "nvcc": ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr", _abi_flag(),
                      "-Xptxas=-v" if os.environ.get("HFAB_PTXAS_VERBOSE") else "-Xptxas=-O3"],
         },
     )

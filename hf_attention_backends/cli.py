@@ -309,7 +309,7 @@ def _versions() -> dict:
     from . import __version__
 
     return {"hf_attention_backends": __version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "torch CUDA build": torch.version.cuda}
+            "transformers": transformers.__version__, "cuda": torch.version.cuda}
 
 
 def run_info(args) -> int:
@@ -323,8 +323,11 @@ def run_info(args) -> int:
         "extension_loaded": loaded, "extension_error": None if loaded else str(_ext.extension_error()),
         "ops": {op: {"cuda_kernel": has_cuda_kernel(op)} for op in registered_ops()},
     }
-    lines = [f"{name} {version or 'none'}" for name, version in report["versions"].items()]
-    lines.append(f"CUDA device: {report['cuda_device'] or 'none'}")
+    versions = report["versions"]
+    lines = [f"hf_attention_backends {versions['hf_attention_backends']}",
+             f"torch {versions['torch']} (CUDA build: {versions['cuda'] or 'none'})",
+             f"transformers {versions['transformers']}",
+             f"CUDA device: {report['cuda_device'] or 'none'}"]
     lines.append("CUDA extension: " + ("loaded" if loaded else f"not loaded ({report['extension_error']})"))
     lines += [f"  {op}: CUDA kernel {'yes' if v['cuda_kernel'] else 'no'}" for op, v in report["ops"].items()]
     _emit(report, "\n".join(lines), args.json)
