@@ -30,7 +30,11 @@ STATUSES = ("ok", "oom", "error", "skipped")
 
 
 def git_sha() -> str:
-    """Short HEAD SHA of the repository, ``+dirty`` when tracked files differ from it; "unknown" without git."""
+    """Short HEAD SHA of the repository, ``+dirty`` when tracked files differ from it; "unknown" without git.
+
+    ``HFAB_GIT_SHA`` overrides it (the GPU machine receives a copy of the tree without .git)."""
+    if os.environ.get("HFAB_GIT_SHA"):
+        return os.environ["HFAB_GIT_SHA"]
     try:
         sha = subprocess.run(["git", "-C", REPO_ROOT, "rev-parse", "--short=12", "HEAD"], capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
