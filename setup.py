@@ -117,7 +117,7 @@ setup(
     install_requires=["torch>=2.4", "transformers>=5.0", "safetensors", "tqdm", "pyyaml", "numpy"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "accelerate", "gguf", "matplotlib"],
-        "finetune": ["accelerate", "peft", "datasets"],
+        "finetune": ["accelerate", "peft"],
         "bench": ["matplotlib"],
     },
     entry_points={"console_scripts": ["hfab=hf_attention_backends.cli:main"]},

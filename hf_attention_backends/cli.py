@@ -2,7 +2,8 @@
 
 ``hfab verify``: switch a real model's attention to each backend and measure how far its outputs move
 from the model's own softmax attention (all-MiniLM-L6-v2 vs eager by default; ``--model smollm2``:
-SmolLM2-135M-Instruct vs sdpa). ``hfab info``: versions, the CUDA extension, which ops have CUDA kernels.
+SmolLM2-135M-Instruct vs sdpa); ``--report DIR`` adds the model_tests report (report.md, report.json, PNG
+plots). ``hfab info``: versions, the CUDA extension, which ops have CUDA kernels.
 
 Exit status: 0 on success, 2 on a usage error, an unsupported choice (the message says what is supported)
 or a missing offline asset package.
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -83,13 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--num-texts", type=int, metavar="N",
                         help="sentences (minilm, default 8) or articles (smollm2, default 4)")
     verify.add_argument("--seq-len", type=int, default=256, metavar="N",
-                        help="smollm2: tokens per article (default 256)")
+                        help="smollm2: tokens per article (default 256); --report: per article for both models")
     verify.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="forwards timed per backend (after one warm-up when > 1); the median is reported")
     for name, kind, text in KNOBS:
         verify.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, metavar=kind.__name__.upper(),
                             help=text)
     verify.add_argument("--json", metavar="PATH|-", help="also write the results as JSON to PATH (- = stdout only)")
+    verify.add_argument("--report", metavar="DIR",
+                        help="also run the model_tests checks (per-layer parity, behaviour, knob and length sweeps, "
+                             "exact gates) on news articles of --seq-len tokens and write report.md, report.json "
+                             "and PNG plots into DIR")
     verify.set_defaults(func=run_verify)
 
     info = sub.add_parser("info", help="versions, CUDA extension, ops with CUDA kernels")
@@ -279,7 +286,27 @@ def run_verify(args) -> int:
         "baseline": baseline, "results": results, "versions": _versions(),
     }
     _emit(report, _verify_table(report), args.json)
+    if args.report:
+        _write_report(args, model, tokenizer, backends, configs, report)
     return 0
+
+
+def _write_report(args, model, tokenizer, backends: list, configs: dict, verified: dict) -> None:
+    """``--report DIR``: model_tests.report on the loaded model; ``verified`` goes into report.json as "verify"."""
+    root = Path(__file__).resolve().parents[1]
+    if importlib.util.find_spec("model_tests") is None and (root / "model_tests" / "report.py").is_file():
+        sys.path.insert(0, str(root))  # a source checkout (editable install): model_tests sits next to the package
+    try:
+        from model_tests import report as model_report
+    except ModuleNotFoundError as err:
+        raise CliError(f"--report needs the model_tests package of the source checkout ({err})") from err
+    num_texts = 4 if args.num_texts is None else args.num_texts
+    print(f"hfab: writing the verification report into {args.report}", file=sys.stderr)
+    report = model_report.build(args.model, model, tokenizer, backends, configs, num_texts=num_texts,
+                                seq_len=args.seq_len)
+    report["verify"] = verified
+    for path in model_report.write(report, args.report):
+        print(f"hfab: wrote {path}", file=sys.stderr)
 
 
 def _verify_table(report: dict) -> str:

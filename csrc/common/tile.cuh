@@ -1,5 +1,5 @@
 // Device building blocks for CUDA-core attention kernels: 16-bit element pairs, shared-memory tiles
-// and register-blocked tile products with fp32 accumulation.
+// (16-bit, or converted to fp32 once at load) and register-blocked tile products with fp32 accumulation.
 //
 // Pure CUDA (no torch, no std headers) so that NVRTC can compile it for sm_60 (scripts/nvrtc_check.py).
 // Uses nothing above Pascal: no tensor cores, no cp.async, no ldmatrix.
@@ -38,12 +38,27 @@ template <> struct Pair<__nv_bfloat16> {
   }
 };
 
-// ROWS x D 16-bit elements stored as D/2 words per row plus one pad word: 16 threads reading one
-// word from 16 different rows hit 16 different banks.
-template <int ROWS, int D> struct Tile {
+// ROWS x D 16-bit elements stored as D/2 words per row plus two pad words: 16 threads reading 8 bytes
+// (4 elements) from 16 different rows hit 32 different banks.
+template <int ROWS, int D> struct __align__(16) Tile {
   static_assert(D % 32 == 0, "head dim must be a multiple of 32");
-  unsigned w[ROWS][D / 2 + 1];
+  static constexpr int kRows = ROWS, kD = D;
+  unsigned w[ROWS][D / 2 + 2];
 };
+
+// ROWS x D elements converted to fp32 once when loaded (no conversion per use), rows padded by 4
+// floats: 8 threads reading 16 bytes from 8 different rows hit 32 different banks.
+template <int ROWS, int D> struct __align__(16) FTile {
+  static_assert(D % 32 == 0, "head dim must be a multiple of 32");
+  static constexpr int kRows = ROWS, kD = D;
+  float v[ROWS][D + 4];
+};
+
+template <bool C, typename A, typename B> struct Select { using type = A; };
+template <typename A, typename B> struct Select<false, A, B> { using type = B; };
+
+// FTile when F32 (faster, twice the shared memory), else Tile.
+template <bool F32, int ROWS, int D> using TileOf = typename Select<F32, FTile<ROWS, D>, Tile<ROWS, D>>::type;
 
 // ROWS x COLS fp32 (probabilities or dS), rows padded by 4 floats: float4 reads stay aligned and the
 // two row groups of a warp fall on different banks.
@@ -54,47 +69,94 @@ template <int ROWS, int COLS> struct __align__(16) ScoreTile {
 
 // Rows [row0, row0 + ROWS) of a matrix with D contiguous elements per row, rows `stride` elements
 // apart; rows >= n are zero. Needs base 16-byte aligned and stride % 8 == 0 (the host checks).
+template <int D, typename T>
+__device__ __forceinline__ uint4 load_chunk(const T* base, long long stride, int row, int k, int n) {
+  if (row >= n) return make_uint4(0u, 0u, 0u, 0u);
+  return __ldg(reinterpret_cast<const uint4*>(base + (long long)row * stride) + k);
+}
+
 template <int ROWS, int D, typename T>
 __device__ __forceinline__ void load_tile(Tile<ROWS, D>& t, const T* base, long long stride, int row0, int n) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   for (int c = threadIdx.x; c < ROWS * kChunks; c += kTileThreads) {
     const int r = c / kChunks, k = c % kChunks;
-    uint4 x = make_uint4(0u, 0u, 0u, 0u);
-    if (row0 + r < n) x = __ldg(reinterpret_cast<const uint4*>(base + (long long)(row0 + r) * stride) + k);
-    t.w[r][4 * k + 0] = x.x;
-    t.w[r][4 * k + 1] = x.y;
-    t.w[r][4 * k + 2] = x.z;
-    t.w[r][4 * k + 3] = x.w;
+    const uint4 x = load_chunk<D>(base, stride, row0 + r, k, n);
+    *reinterpret_cast<uint2*>(&t.w[r][4 * k]) = make_uint2(x.x, x.y);
+    *reinterpret_cast<uint2*>(&t.w[r][4 * k + 2]) = make_uint2(x.z, x.w);
   }
 }
 
-// acc[i][j] = sum_d A[ty*TR + i][d] * B[tx + 16*j][d]   (A B^T on a TR x TC register block, fp32 FMA)
-template <typename T, int TR, int TC, int RA, int RB, int D>
-__device__ __forceinline__ void tile_dot(float (&acc)[TR][TC], const Tile<RA, D>& a, const Tile<RB, D>& b,
-                                         int ty, int tx) {
+template <int ROWS, int D, typename T>
+__device__ __forceinline__ void load_tile(FTile<ROWS, D>& t, const T* base, long long stride, int row0, int n) {
+  constexpr int kChunks = D / 8;
+  for (int c = threadIdx.x; c < ROWS * kChunks; c += kTileThreads) {
+    const int r = c / kChunks, k = c % kChunks;
+    const uint4 x = load_chunk<D>(base, stride, row0 + r, k, n);
+    const float2 a = Pair<T>::to_float2(x.x), b = Pair<T>::to_float2(x.y);
+    const float2 e = Pair<T>::to_float2(x.z), f = Pair<T>::to_float2(x.w);
+    *reinterpret_cast<float4*>(&t.v[r][8 * k]) = make_float4(a.x, a.y, b.x, b.y);
+    *reinterpret_cast<float4*>(&t.v[r][8 * k + 4]) = make_float4(e.x, e.y, f.x, f.y);
+  }
+}
+
+// Elements [4s, 4s + 4) of row r as fp32.
+template <typename T, int ROWS, int D>
+__device__ __forceinline__ float4 quad(const Tile<ROWS, D>& t, int r, int s) {
+  const uint2 w = *reinterpret_cast<const uint2*>(&t.w[r][2 * s]);
+  const float2 a = Pair<T>::to_float2(w.x), b = Pair<T>::to_float2(w.y);
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+template <typename T, int ROWS, int D>
+__device__ __forceinline__ float4 quad(const FTile<ROWS, D>& t, int r, int s) {
+  return *reinterpret_cast<const float4*>(&t.v[r][4 * s]);
+}
+
+// Elements 2c and 2c + 1 of row r as fp32.
+template <typename T, int ROWS, int D>
+__device__ __forceinline__ float2 pair(const Tile<ROWS, D>& t, int r, int c) {
+  return Pair<T>::to_float2(t.w[r][c]);
+}
+
+template <typename T, int ROWS, int D>
+__device__ __forceinline__ float2 pair(const FTile<ROWS, D>& t, int r, int c) {
+  return *reinterpret_cast<const float2*>(&t.v[r][2 * c]);
+}
+
+// acc[i][j] = sum_d A[ty*TR + i][d] * B[tx + 16*j][d]   (A B^T on a TR x TC register block, fp32 FMA;
+// A, B: Tile or FTile of the same D)
+template <typename T, int TR, int TC, typename TA, typename TB>
+__device__ __forceinline__ void tile_dot(float (&acc)[TR][TC], const TA& a, const TB& b, int ty, int tx) {
+  static_assert(TA::kD == TB::kD, "tile head dims differ");
 #pragma unroll
   for (int i = 0; i < TR; ++i)
 #pragma unroll
     for (int j = 0; j < TC; ++j) acc[i][j] = 0.f;
-#pragma unroll 4
-  for (int p = 0; p < D / 2; ++p) {
-    float2 av[TR], bv[TC];
+#pragma unroll 2
+  for (int s = 0; s < TA::kD / 4; ++s) {
+    float4 av[TR], bv[TC];
 #pragma unroll
-    for (int i = 0; i < TR; ++i) av[i] = Pair<T>::to_float2(a.w[ty * TR + i][p]);
+    for (int i = 0; i < TR; ++i) av[i] = quad<T>(a, ty * TR + i, s);
 #pragma unroll
-    for (int j = 0; j < TC; ++j) bv[j] = Pair<T>::to_float2(b.w[tx + 16 * j][p]);
+    for (int j = 0; j < TC; ++j) bv[j] = quad<T>(b, tx + 16 * j, s);
 #pragma unroll
     for (int i = 0; i < TR; ++i)
 #pragma unroll
-      for (int j = 0; j < TC; ++j) acc[i][j] = fmaf(av[i].y, bv[j].y, fmaf(av[i].x, bv[j].x, acc[i][j]));
+      for (int j = 0; j < TC; ++j) {
+        float x = fmaf(av[i].x, bv[j].x, acc[i][j]);
+        x = fmaf(av[i].y, bv[j].y, x);
+        x = fmaf(av[i].z, bv[j].z, x);
+        acc[i][j] = fmaf(av[i].w, bv[j].w, x);
+      }
   }
 }
 
-// acc[i][c] += sum_k P[ty*TR + i][k] * B[k][pair tx + 16*c]   (P B with P fp32; pair = 2 columns)
-template <typename T, int TR, int TD, int RP, int COLS, int RB, int D>
-__device__ __forceinline__ void tile_accumulate(float2 (&acc)[TR][TD], const ScoreTile<RP, COLS>& p,
-                                                const Tile<RB, D>& b, int ty, int tx) {
-  static_assert(COLS <= RB && TD * 32 == D, "tile shapes");
+// acc[i][c] += sum_k P[ty*TR + i][k] * B[k][pair tx + 16*c]   (P B with P fp32; pair = 2 columns; B: Tile
+// or FTile)
+template <typename T, int TR, int TD, int RP, int COLS, typename TB>
+__device__ __forceinline__ void tile_accumulate(float2 (&acc)[TR][TD], const ScoreTile<RP, COLS>& p, const TB& b,
+                                                int ty, int tx) {
+  static_assert(COLS <= TB::kRows && TD * 32 == TB::kD, "tile shapes");
 #pragma unroll 2
   for (int k = 0; k < COLS; k += 4) {
     float4 pv[TR];
@@ -104,7 +166,7 @@ __device__ __forceinline__ void tile_accumulate(float2 (&acc)[TR][TD], const Sco
     for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
       for (int c = 0; c < TD; ++c) {
-        const float2 bv = Pair<T>::to_float2(b.w[k + kk][tx + 16 * c]);
+        const float2 bv = pair<T>(b, k + kk, tx + 16 * c);
 #pragma unroll
         for (int i = 0; i < TR; ++i) {
           const float pk = kk == 0 ? pv[i].x : kk == 1 ? pv[i].y : kk == 2 ? pv[i].z : pv[i].w;

@@ -51,6 +51,21 @@ struct Params {
   int causal;
 };
 
+// Tile shapes per head dim, and which tiles are staged in fp32 (FTile: no conversion per use, twice the
+// bytes), chosen so each kernel's static shared memory stays <= 48 KB (scripts/nvrtc_check.py checks).
+template <int D> struct FwdTiles {
+  static constexpr int BQ = 64, BK = D == 32 ? 64 : 32;
+  static constexpr bool kQ32 = D <= 64, kK32 = D <= 64, kV32 = D <= 64;
+};
+template <int D> struct DqTiles {
+  static constexpr int BQ = D <= 64 ? 64 : 32, BK = 32;
+  static constexpr bool kQ32 = D == 32, kK32 = true, kV32 = D <= 64;  // kQ32: q and dO
+};
+template <int D> struct DkvTiles {
+  static constexpr int BK = D <= 64 ? 64 : 32, BQ = 32;
+  static constexpr bool kQ32 = D <= 64, kDo32 = D == 32;
+};
+
 // Last key (exclusive) that any query in [q0, q0 + rows) may see.
 __device__ __forceinline__ int key_end(const Params& p, int q0, int rows) {
   if (!p.causal) return p.nk;
@@ -69,10 +84,12 @@ __device__ __forceinline__ void key_bias(float (&bias)[BK], const Params& p, int
 }
 
 template <typename T, int D, int BQ, int BK>
-__global__ void __launch_bounds__(kTileThreads, 1) exact_attn_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kTileThreads, 2) exact_attn_fwd_kernel(const Params p) {
+  using Cfg = FwdTiles<D>;
   constexpr int TR = BQ / 16, TC = BK / 16, TD = D / 32;
-  __shared__ Tile<BQ, D> qs;
-  __shared__ Tile<BK, D> ks, vs;
+  __shared__ TileOf<Cfg::kQ32, BQ, D> qs;
+  __shared__ TileOf<Cfg::kK32, BK, D> ks;
+  __shared__ TileOf<Cfg::kV32, BK, D> vs;
   __shared__ ScoreTile<BQ, BK> ps;
   __shared__ float bias[BK];
 
@@ -178,10 +195,12 @@ __device__ __forceinline__ float lse2_of(const Params& p, long long row_base, in
 }
 
 template <typename T, int D, int BQ, int BK>
-__global__ void __launch_bounds__(kTileThreads, 1) exact_dq_bwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kTileThreads, 2) exact_dq_bwd_kernel(const Params p) {
+  using Cfg = DqTiles<D>;
   constexpr int TR = BQ / 16, TC = BK / 16, TD = D / 32;
-  __shared__ Tile<BQ, D> qs, dos;
-  __shared__ Tile<BK, D> ks, vs;
+  __shared__ TileOf<Cfg::kQ32, BQ, D> qs, dos;
+  __shared__ TileOf<Cfg::kK32, BK, D> ks;
+  __shared__ TileOf<Cfg::kV32, BK, D> vs;
   __shared__ ScoreTile<BQ, BK> dss;
   __shared__ float bias[BK];
 
@@ -241,10 +260,12 @@ __global__ void __launch_bounds__(kTileThreads, 1) exact_dq_bwd_kernel(const Par
 }
 
 template <typename T, int D, int BK, int BQ>
-__global__ void __launch_bounds__(kTileThreads, 1) exact_dkv_bwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kTileThreads, 2) exact_dkv_bwd_kernel(const Params p) {
+  using Cfg = DkvTiles<D>;
   constexpr int TR = BK / 16, TC = BQ / 16, TD = D / 32;
   __shared__ Tile<BK, D> ks, vs;
-  __shared__ Tile<BQ, D> qs, dos;
+  __shared__ TileOf<Cfg::kQ32, BQ, D> qs;
+  __shared__ TileOf<Cfg::kDo32, BQ, D> dos;
   __shared__ ScoreTile<BK, BQ> pts, dsts;  // P^T and dS^T: rows are keys
   __shared__ float lse2s[BQ], dls[BQ];
 
@@ -314,11 +335,6 @@ __global__ void __launch_bounds__(kTileThreads, 1) exact_dkv_bwd_kernel(const Pa
     store_row<T>(static_cast<T*>(p.dv) + (row_base + key) * D, dv[i], 1.f, tx);
   }
 }
-
-// Tile shapes per head dim, chosen so each kernel's static shared memory stays under 48 KB.
-template <int D> struct FwdTiles { static constexpr int BQ = 64, BK = D <= 64 ? 64 : 32; };
-template <int D> struct DqTiles { static constexpr int BQ = D <= 64 ? 64 : 32, BK = 32; };
-template <int D> struct DkvTiles { static constexpr int BK = D <= 64 ? 64 : 32, BQ = 32; };
 
 }  // namespace exact
 }  // namespace hfab

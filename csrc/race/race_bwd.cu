@@ -1,0 +1,80 @@
+// CUDA impl of hfab::race_bwd (schema in hf_attention_backends/ops/race/op.py).
+#include <torch/library.h>
+
+#include "race/race_host.cuh"
+
+namespace hfab {
+namespace race {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> race_bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& planes,
+    const at::Tensor& beta, const std::optional<at::Tensor>& key_padding_mask, bool causal) {
+  constexpr const char* kOp = "hfab::race_bwd";
+  Inputs in = prepare(kOp, q, k, v, planes, beta, key_padding_mask, causal);
+  check_cuda(kOp, "dout", dout, q.device());
+  TORCH_CHECK(dout.sizes() == q.sizes(), kOp, ": dout ", dout.sizes(), " must have q's shape ", q.sizes());
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type(), kOp, ": dout.dtype=", dout.scalar_type(), " must be q's dtype ",
+              q.scalar_type());
+  const c10::cuda::CUDAGuard guard(q.device());
+  const auto contiguous = at::MemoryFormat::Contiguous;
+  const auto f32 = q.options().dtype(at::kFloat);
+  if (q.numel() == 0 || k.numel() == 0) {  // no query or no key: every gradient is 0
+    return {at::zeros(q.sizes(), q.options().memory_format(contiguous)),
+            at::zeros(k.sizes(), k.options().memory_format(contiguous)),
+            at::zeros(v.sizes(), v.options().memory_format(contiguous)),
+            at::zeros(beta.sizes(), beta.options().memory_format(contiguous))};
+  }
+  const at::Tensor dout_r = unit_last_stride(dout);
+  at::Tensor dq = at::empty(q.sizes(), q.options().memory_format(contiguous));
+  at::Tensor dk = at::empty(k.sizes(), k.options().memory_format(contiguous));
+  at::Tensor dv = at::empty(v.sizes(), v.options().memory_format(contiguous));
+  const int64_t batch = q.size(0);
+  Params p = in.p;
+  p.dout = dout_r.data_ptr();
+  p.sdo = strides_of(dout_r);
+  p.out = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  at::Tensor den = at::empty({batch, p.hq, p.nq}, f32);
+  at::Tensor cq = at::empty({batch, p.hq, p.nq}, f32);
+  at::Tensor qstate = at::empty({batch, p.hq, p.nqt + 1, p.features, q.size(3)}, f32);
+  at::Tensor qz = at::empty({batch, p.hq, p.nqt + 1, p.features}, f32);
+  at::Tensor part_q = at::empty({batch, p.hq, p.nqt}, f32);
+  at::Tensor part_k = at::empty({batch, p.hq, p.nkc}, f32);
+  at::Tensor dbeta_h = at::empty({p.hq}, f32);
+  at::Tensor dbeta_total = at::empty({}, f32);
+  p.den = den.data_ptr<float>();
+  p.cq = cq.data_ptr<float>();
+  p.qstate = qstate.data_ptr<float>();
+  p.qz = qz.data_ptr<float>();
+  p.dbeta_q = part_q.data_ptr<float>();
+  p.dbeta_k = part_k.data_ptr<float>();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  const unsigned b = static_cast<unsigned>(batch), hq = static_cast<unsigned>(p.hq);
+  const unsigned hkv = static_cast<unsigned>(k.size(1));
+  at::Tensor kstate, kz;
+  dispatch(q, [&](auto tag, auto dim) {
+    using T = typename decltype(tag)::type;
+    constexpr int D = decltype(dim)::value;
+    key_states<T, D>(kOp, p, kstate, kz, f32, batch, q.device(), stream);
+    launch(kOp, race_dq_bwd_kernel<T, D>, dim3(p.nqt, hq, b), Layout::dq(p.lp, D), p, q.device(), stream);
+    launch(kOp, race_state_fwd_kernel<T, D, true>, dim3(p.nqt, hq, b), Layout::state(p.lp), p, q.device(), stream);
+    const int elems = p.features * D + p.features;
+    race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), hq, b), kThreads, 0, stream>>>(
+        p.qstate, p.qz, p.nqt, p.features * D, p.features, p.hq, 1);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(kOp, race_dkv_bwd_kernel<T, D>, dim3(p.nkc, hkv, b), Layout::dkv(p.lp, D), p, q.device(), stream);
+  });
+  race_dbeta_bwd_kernel<<<1, kThreads, 0, stream>>>(p.dbeta_q, p.dbeta_k, static_cast<int>(batch), p.hq, p.nqt,
+                                                     p.nkc, dbeta_h.data_ptr<float>(), dbeta_total.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const at::Tensor dbeta = (beta.dim() == 0 ? dbeta_total : dbeta_h).to(beta.scalar_type());
+  return {dq, dk, dv, dbeta};
+}
+
+}  // namespace
+}  // namespace race
+}  // namespace hfab
+
+TORCH_LIBRARY_IMPL(hfab, CUDA, m) { m.impl("race_bwd", &hfab::race::race_bwd_cuda); }

@@ -1,0 +1,182 @@
+// Host side of the RACE kernels shared by race_fwd.cu and race_bwd.cu: validation at the op boundary
+// (clear errors naming the argument, its value and what is supported), Params, dispatch, launches.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <optional>
+#include <type_traits>
+
+#include "race/race_kernels.cuh"
+
+namespace hfab {
+namespace race {
+
+// Validated inputs; keeps the (possibly converted) tensors alive.
+struct Inputs {
+  at::Tensor q, k, v, planes, beta, mask;  // mask undefined when there is none
+  Params p{};
+};
+
+inline Strides strides_of(const at::Tensor& t) { return Strides{t.stride(0), t.stride(1), t.stride(2)}; }
+
+inline void check_cuda(const char* op, const char* name, const at::Tensor& t, const c10::Device& device) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", t.device());
+  TORCH_CHECK(t.device() == device, op, ": all tensors must be on one CUDA device; q is on ", device, ", ", name,
+              " on ", t.device());
+}
+
+// `t` with a contiguous head dim (other strides are read as they are).
+inline at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
+
+inline int div_up(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& planes, const at::Tensor& beta, const std::optional<at::Tensor>& kpm,
+                      bool causal) {
+  const c10::Device device = q.device();
+  check_cuda(op, "q", q, device);
+  check_cuda(op, "k", k, device);
+  check_cuda(op, "v", v, device);
+  check_cuda(op, "planes", planes, device);
+  check_cuda(op, "beta", beta, device);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must have 4 dims (B, H, N, D), got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), op, ": q ", q.sizes(), " and k ", k.sizes(),
+              " must agree in batch size and head dim");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op, ": query heads Hq=", q.size(1),
+              " must be a multiple of key/value heads Hkv=", k.size(1));
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
+              ": q, k, v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat, op, " (CUDA kernel): dtype ",
+              dtype, " is not supported; supported: float16, bfloat16, float32");
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device.index()));
+  TORCH_CHECK(major >= 8, op, " (CUDA kernel): needs an sm_80 or newer GPU; ", device, " is sm_", major,
+              "x. Run the CPU reference instead");
+  const int64_t d = q.size(3);
+  TORCH_CHECK(d == 32 || d == 64 || d == 128, op, " (CUDA kernel): head dim D=", d,
+              " is not supported; supported: 32, 64, 128");
+  TORCH_CHECK(planes.dim() == 3 && planes.size(2) == d, op, ": planes.shape=", planes.sizes(),
+              "; expected (L, P, D) with D=", d);
+  const int64_t num_tables = planes.size(0), num_planes = planes.size(1);
+  TORCH_CHECK(num_planes >= 1 && num_planes <= kMaxPlanes && num_tables >= 1 && num_tables <= kMaxTables, op,
+              " (CUDA kernel): P=", num_planes, " planes per table and L=", num_tables,
+              " tables are not supported; supported: 1 <= P <= ", kMaxPlanes, ", 1 <= L <= ", kMaxTables,
+              " (S = L * 2^P <= 512). Use fewer planes/tables or the CPU reference");
+  TORCH_CHECK(planes.is_floating_point() && beta.is_floating_point(), op,
+              ": planes and beta must be floating tensors, got ", planes.scalar_type(), " and ", beta.scalar_type());
+  const int64_t hq = q.size(1);
+  TORCH_CHECK(beta.dim() == 0 || (beta.dim() == 1 && beta.size(0) == hq), op, ": beta.shape=", beta.sizes(),
+              "; supported: () or (Hq,)=(", hq, ",)");
+  TORCH_CHECK(hq <= 65535 && q.size(0) <= 65535, op, ": B=", q.size(0), " and Hq=", hq,
+              " must each be <= 65535 (CUDA grid limits)");
+  TORCH_CHECK(q.size(2) < (int64_t{1} << 30) && k.size(2) < (int64_t{1} << 30), op,
+              ": sequence lengths must be < 2^30, got Nq=", q.size(2), ", Nk=", k.size(2));
+
+  Inputs in;
+  in.q = unit_last_stride(q);
+  in.k = unit_last_stride(k);
+  in.v = unit_last_stride(v);
+  in.planes = planes.to(at::kFloat).contiguous();
+  in.beta = beta.to(at::kFloat).reshape({-1}).expand({hq}).contiguous();
+  Params& p = in.p;
+  if (kpm.has_value() && kpm->defined()) {
+    const at::Tensor& m = *kpm;
+    check_cuda(op, "key_padding_mask", m, device);
+    TORCH_CHECK(m.scalar_type() == at::kBool, op, ": key_padding_mask.dtype=", m.scalar_type(),
+                "; supported: torch.bool (True = real token)");
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == k.size(0) && m.size(1) == k.size(2), op, ": key_padding_mask.shape=",
+                m.sizes(), "; expected (B, Nk)=(", k.size(0), ", ", k.size(2), ")");
+    in.mask = m.contiguous();
+    p.kpm = reinterpret_cast<const unsigned char*>(in.mask.data_ptr());
+    p.kpm_stride = in.mask.size(1);
+  }
+  p.q = in.q.data_ptr();
+  p.k = in.k.data_ptr();
+  p.v = in.v.data_ptr();
+  p.sq = strides_of(in.q);
+  p.sk = strides_of(in.k);
+  p.sv = strides_of(in.v);
+  p.planes = in.planes.data_ptr<float>();
+  p.beta = in.beta.data_ptr<float>();
+  p.hq = static_cast<int>(hq);
+  p.groups = static_cast<int>(hq / k.size(1));
+  p.nq = static_cast<int>(q.size(2));
+  p.nk = static_cast<int>(k.size(2));
+  p.planes_per_table = static_cast<int>(num_planes);
+  p.tables = static_cast<int>(num_tables);
+  p.lp = p.planes_per_table * p.tables;
+  p.features = p.tables << p.planes_per_table;
+  p.stiles = div_up(p.features, kFeat);
+  p.causal = causal ? 1 : 0;
+  if (causal) {  // chunk 0 starts at s0 in (-64, 0] with s0 = Nk - Nq (mod 64): query tiles align with chunks
+    const int off = p.nk - p.nq;
+    p.s0 = ((off % kRows) + kRows) % kRows;
+    if (p.s0 > 0) p.s0 -= kRows;
+    p.kappa0 = (off - p.s0) / kRows;
+  }
+  p.nkc = div_up(int64_t{p.nk} - p.s0, kRows);
+  p.nqt = div_up(p.nq, kRows);
+  return in;
+}
+
+template <typename T> struct Tag { using type = T; };
+
+// fn(Tag<T>{}, std::integral_constant<int, D>{}) for the element type and head dim of `q`.
+template <typename Fn>
+void dispatch(const at::Tensor& q, Fn&& fn) {
+  auto by_dim = [&](auto tag) {
+    switch (q.size(3)) {
+      case 32: return fn(tag, std::integral_constant<int, 32>{});
+      case 64: return fn(tag, std::integral_constant<int, 64>{});
+      default: return fn(tag, std::integral_constant<int, 128>{});  // prepare() allowed only 32, 64, 128
+    }
+  };
+  if (q.scalar_type() == at::kHalf) by_dim(Tag<__half>{});
+  else if (q.scalar_type() == at::kBFloat16) by_dim(Tag<__nv_bfloat16>{});
+  else by_dim(Tag<float>{});
+}
+
+// Launch `kernel` with `floats` of dynamic shared memory, raising a clear error if the GPU has too little.
+template <typename Kernel>
+void launch(const char* op, Kernel kernel, dim3 grid, int floats, const Params& p, const c10::Device& device,
+            cudaStream_t stream) {
+  const int bytes = floats * static_cast<int>(sizeof(float));
+  int limit = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
+  TORCH_CHECK(bytes <= limit, op, " (CUDA kernel): P=", p.planes_per_table, ", L=", p.tables,
+              " needs ", bytes, " bytes of shared memory per block, more than this GPU's ", limit,
+              "; use fewer tables or planes");
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  kernel<<<grid, kThreads, bytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Forward states: per key chunk phi(k)^T v and sum phi(k), then their exclusive prefix sums (slot nkc: total).
+template <typename T, int D>
+void key_states(const char* op, Params& p, at::Tensor& kstate, at::Tensor& kz, const at::TensorOptions& f32,
+                int64_t batch, const c10::Device& device, cudaStream_t stream) {
+  kstate = at::empty({batch, p.hq, p.nkc + 1, p.features, D}, f32);
+  kz = at::empty({batch, p.hq, p.nkc + 1, p.features}, f32);
+  p.kstate = kstate.data_ptr<float>();
+  p.kz = kz.data_ptr<float>();
+  const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
+  if (p.nkc > 0)
+    launch(op, race_state_fwd_kernel<T, D, false>, dim3(p.nkc, h, b), Layout::state(p.lp), p, device, stream);
+  const int elems = p.features * D + p.features;
+  race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), h, b), kThreads, 0, stream>>>(
+      p.kstate, p.kz, p.nkc, p.features * D, p.features, p.hq, 0);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace race
+}  // namespace hfab

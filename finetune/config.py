@@ -1,0 +1,250 @@
+"""The fine-tuning recipe: a YAML file with the sections below, validated once into dataclasses.
+
+Every key is optional (defaults in the dataclasses); an unknown section or key, a wrong type or an
+out-of-range value raises :class:`ConfigError` naming ``section.key``, the value and what is supported.
+The ``convert`` options are checked by the backend's own config (``backends/config.py``).
+
+```yaml
+output_dir: runs/name          # checkpoints, log.jsonl, summary.json
+seed: 0
+model:     {name: smollm2 | minilm | tiny_llama | tiny_bert | /local/folder, dtype: float32 | bfloat16}
+convert:   {backend: race, layers: null, options: {num_planes: 4, per_head_beta: true}}
+calibrate: {enabled: true, batches: 2, race_betas: null, stieltjes_orders: null, steps: 0, lr: 0.01}
+data:      {source: news | file.jsonl | file.txt | folder, documents: 256, eval_documents: 16, min_chars: 0,
+            text_field: text, seq_len: 256, batch_size: 8, eval_batch_size: 8}
+transfer:  {steps: 100, lr: 0.01, train: []}        # train: extra parameter-name substrings, e.g. [q_proj]
+fine_tune: {steps: 200, lr: 1e-4, method: lora | full | none, lora_r: 8, lora_alpha: 16,
+            lora_target_modules: [q_proj, k_proj, v_proj, o_proj], lm_weight: 1.0, kl_weight: 0.0,
+            hidden_weight: 0.0, temperature: 1.0, train_hfab: true}
+train:     {grad_accum: 1, warmup_steps: 0, clip: 1.0, weight_decay: 0.0, mixed_precision: null | no | bf16 | fp16,
+            log_every: 10, eval_every: 0, eval_batches: null, gradient_checkpointing: false}
+```
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from hf_attention_backends.backends.config import make_config
+
+
+class ConfigError(ValueError):
+    """A recipe value that is missing, unknown, of the wrong type or out of range."""
+
+
+@dataclass
+class ModelSpec:
+    """name: smollm2, minilm, tiny_llama, tiny_bert (random, byte tokenizer) or a local model folder."""
+    name: str = "tiny_llama"
+    dtype: str = "float32"
+
+
+@dataclass
+class ConvertSpec:
+    """The ``hf_attention_backends.convert`` call: backend, layers (None = all), backend options."""
+    backend: str = "race"
+    layers: Optional[list] = None
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class CalibrateSpec:
+    """``hf_attention_backends.calibrate.calibrate`` on ``batches`` training batches before training."""
+    enabled: bool = False
+    batches: int = 2
+    race_betas: Optional[list] = None
+    stieltjes_orders: Optional[list] = None
+    steps: int = 0
+    lr: float = 1e-2
+
+
+@dataclass
+class DataSpec:
+    """Local text only; see ``finetune.data.load_documents`` for the accepted sources."""
+    source: str = "news"
+    documents: int = 64
+    eval_documents: int = 8
+    min_chars: int = 0
+    text_field: str = "text"
+    seq_len: int = 128
+    batch_size: int = 4
+    eval_batch_size: int = 4
+
+
+@dataclass
+class TransferSpec:
+    """Stage 1: train the ``hfab_*`` parameters (plus parameters whose name contains a ``train`` entry)."""
+    steps: int = 0
+    lr: float = 1e-2
+    train: list = field(default_factory=list)
+
+
+@dataclass
+class FineTuneSpec:
+    """Stage 2: LoRA (peft), full or no fine-tuning with LM loss + KL to the teacher's logits + hidden MSE."""
+    steps: int = 0
+    lr: float = 1e-4
+    method: str = "lora"
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lm_weight: float = 1.0
+    kl_weight: float = 0.0
+    hidden_weight: float = 0.0
+    temperature: float = 1.0
+    train_hfab: bool = True
+
+
+@dataclass
+class TrainSpec:
+    """Optimisation shared by both stages; ``mixed_precision`` None leaves it to the accelerate config."""
+    grad_accum: int = 1
+    warmup_steps: int = 0
+    clip: float = 1.0
+    weight_decay: float = 0.0
+    mixed_precision: Optional[str] = None
+    log_every: int = 10
+    eval_every: int = 0
+    eval_batches: Optional[int] = None
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class Recipe:
+    output_dir: str = "runs/finetune"
+    seed: int = 0
+    model: ModelSpec = field(default_factory=ModelSpec)
+    convert: ConvertSpec = field(default_factory=ConvertSpec)
+    calibrate: CalibrateSpec = field(default_factory=CalibrateSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    transfer: TransferSpec = field(default_factory=TransferSpec)
+    fine_tune: FineTuneSpec = field(default_factory=FineTuneSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+METHODS = ("lora", "full", "none")
+MIXED_PRECISION = ("no", "bf16", "fp16")
+
+
+def load_recipe(path) -> Recipe:
+    """Read and validate a YAML recipe; ConfigError for anything malformed."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config={str(path)!r} is not a file")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    return recipe_from_dict(data)
+
+
+def recipe_from_dict(data: Any) -> Recipe:
+    """Validate a parsed recipe (dict of sections) into a :class:`Recipe`."""
+    recipe = _build(Recipe, "recipe", data)
+    _check(recipe)
+    return recipe
+
+
+def _build(cls, where: str, data: Any):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(data).__name__} ({data!r})")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where}; supported: {sorted(fields)}")
+    values = {}
+    defaults = cls()
+    for name, value in data.items():
+        default = getattr(defaults, name)
+        key = name if where == "recipe" else f"{where}.{name}"
+        if dataclasses.is_dataclass(default):
+            values[name] = _build(type(default), name, value)
+        else:
+            values[name] = _typed(key, value, default, fields[name].type)
+    return cls(**values)
+
+
+def _typed(key: str, value, default, annotation: str):
+    if value is None:
+        if "Optional" in str(annotation):
+            return None
+        raise ConfigError(f"{key} must not be null")
+    want = type(default) if default is not None else None
+    if want is None:  # Optional fields: checked in _check
+        return value
+    if want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if want is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{key} must be an int, got {type(value).__name__} ({value!r})")
+    if not isinstance(value, want):
+        raise ConfigError(f"{key} must be a {want.__name__}, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def _positive(key: str, value, zero_ok: bool = False):
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{key}={value} must be {'>= 0' if zero_ok else '> 0'}")
+
+
+def _check(r: Recipe) -> None:
+    if r.model.dtype not in DTYPES:
+        raise ConfigError(f"model.dtype={r.model.dtype!r} is not supported; supported: {', '.join(DTYPES)}")
+    if r.convert.layers is not None and (not isinstance(r.convert.layers, list) or
+                                         not all(isinstance(i, int) and not isinstance(i, bool)
+                                                 for i in r.convert.layers)):
+        raise ConfigError(f"convert.layers={r.convert.layers!r} must be null or a list of layer indices")
+    try:
+        make_config(r.convert.backend, **r.convert.options)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"convert: {err}") from err
+    for key in ("race_betas", "stieltjes_orders"):
+        grid = getattr(r.calibrate, key)
+        if grid is not None and (not isinstance(grid, list) or not grid or
+                                 not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                                         for v in grid)):
+            raise ConfigError(f"calibrate.{key}={grid!r} must be null or a non-empty list of positive numbers")
+    _positive("calibrate.batches", r.calibrate.batches)
+    _positive("calibrate.steps", r.calibrate.steps, zero_ok=True)
+    for key in ("documents", "eval_documents", "seq_len", "batch_size", "eval_batch_size"):
+        _positive(f"data.{key}", getattr(r.data, key))
+    if r.data.seq_len < 2:
+        raise ConfigError(f"data.seq_len={r.data.seq_len} must be >= 2 (a next-token target needs two tokens)")
+    _positive("data.min_chars", r.data.min_chars, zero_ok=True)
+    for stage in ("transfer", "fine_tune"):
+        spec = getattr(r, stage)
+        _positive(f"{stage}.steps", spec.steps, zero_ok=True)
+        _positive(f"{stage}.lr", spec.lr)
+    if not all(isinstance(name, str) and name for name in r.transfer.train):
+        raise ConfigError(f"transfer.train={r.transfer.train!r} must be a list of parameter-name substrings")
+    ft = r.fine_tune
+    if ft.method not in METHODS:
+        raise ConfigError(f"fine_tune.method={ft.method!r} is not supported; supported: {', '.join(METHODS)}")
+    for key in ("lm_weight", "kl_weight", "hidden_weight"):
+        _positive(f"fine_tune.{key}", getattr(ft, key), zero_ok=True)
+    if ft.steps and ft.method != "none" and ft.lm_weight + ft.kl_weight + ft.hidden_weight == 0:
+        raise ConfigError("fine_tune.steps > 0 but lm_weight, kl_weight and hidden_weight are all 0; set one > 0")
+    if ft.steps and ft.method == "none" and not ft.train_hfab:
+        raise ConfigError("fine_tune.steps > 0 with method='none' and train_hfab=false trains nothing; set "
+                          "method to lora or full, train_hfab to true, or steps to 0")
+    _positive("fine_tune.temperature", ft.temperature)
+    _positive("fine_tune.lora_r", ft.lora_r)
+    _positive("fine_tune.lora_alpha", ft.lora_alpha)
+    if ft.method == "lora" and (not ft.lora_target_modules or
+                                not all(isinstance(m, str) and m for m in ft.lora_target_modules)):
+        raise ConfigError(f"fine_tune.lora_target_modules={ft.lora_target_modules!r} must name at least one module")
+    t = r.train
+    _positive("train.grad_accum", t.grad_accum)
+    _positive("train.warmup_steps", t.warmup_steps, zero_ok=True)
+    _positive("train.clip", t.clip, zero_ok=True)
+    _positive("train.weight_decay", t.weight_decay, zero_ok=True)
+    _positive("train.log_every", t.log_every)
+    _positive("train.eval_every", t.eval_every, zero_ok=True)
+    if t.eval_batches is not None and (isinstance(t.eval_batches, bool) or not isinstance(t.eval_batches, int)
+                                       or t.eval_batches < 1):
+        raise ConfigError(f"train.eval_batches={t.eval_batches!r} must be null (all) or an int >= 1")
+    if t.mixed_precision is not None and t.mixed_precision not in MIXED_PRECISION:
+        raise ConfigError(f"train.mixed_precision={t.mixed_precision!r} is not supported; supported: null "
+                          f"(from the accelerate config), {', '.join(MIXED_PRECISION)}")

@@ -1,0 +1,351 @@
+"""Convert a softmax checkpoint, then win its quality back: attention transfer, then LoRA/full fine-tuning.
+
+    accelerate launch --config_file configs/accelerate/single_gpu.yaml finetune/train.py \\
+        --config configs/finetune/smollm2_race.yaml
+    python finetune/train.py --config configs/finetune/tiny_smoke.yaml        # one process, CPU or one GPU
+
+Steps (the recipe, ``finetune/config.py``, says which run):
+
+1. load the model (the softmax teacher, kept frozen) and local text; rows never mix documents
+   (``finetune/data.py``); ``data.eval_documents`` documents are held out;
+2. ``hf_attention_backends.convert`` a copy (the student); optionally ``calibrate`` it;
+3. attention transfer (``transfer.steps``): only ``hfab_*`` parameters and those whose name contains a
+   ``transfer.train`` entry are trained, so that each converted layer's attention output matches softmax on
+   the teacher's hidden states (mean over layers of the per-layer MSE, teacher computed in the same forward
+   by :class:`hf_attention_backends.calibrate.TeacherForcing`);
+4. fine-tuning (``fine_tune.steps``): LoRA (peft, merged at the end), full, or ``hfab_*`` only, with
+   ``lm_weight`` × next-token loss + ``kl_weight`` × KL(teacher ‖ student) of the logits at temperature T
+   (× T²) + ``hidden_weight`` × MSE of the last hidden state; real tokens only.
+
+Accelerate handles devices, DDP and mixed precision; gradient accumulation, warm-up + cosine schedule and
+clipping per stage. Output in ``output_dir``: ``log.jsonl`` (one JSON object per logged step / evaluation),
+``calibration.json``, ``transfer/`` and ``final/`` (``save_pretrained`` of the converted model, loadable with
+``hf_attention_backends.from_pretrained``), ``probe.pt`` (the first held-out batch and the final model's
+output on it) and ``summary.json``. Evaluation on held-out rows: perplexity for causal LMs, mean-pooled
+embedding cosine to the teacher for encoders; before conversion (teacher), after conversion, after each stage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the repository root holds the finetune package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+import hf_attention_backends as hfab
+from hf_attention_backends.calibrate import TeacherForcing, calibrate, forward_kwargs
+
+from finetune.config import ConfigError, Recipe, load_recipe
+from finetune.data import RowDataset, load_documents, split_documents, tokenize_rows
+from finetune.models import load_model
+
+
+class JsonLog:
+    """Appends one JSON object per line to ``path`` (main process only) and echoes it when ``echo``."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled = path, enabled
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+    def __call__(self, **record) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+
+def masked_mean(values, mask):
+    """Mean of ``values`` (B, N) over ``mask`` (B, N) = 1."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def next_token_nll(logits, labels):
+    """(sum of next-token NLL, token count) over labels != -100; logits (B, N, V), labels (B, N)."""
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                          reduction="sum")
+    return nll, (labels != -100).sum()
+
+
+def logit_kl(student, teacher, mask, temperature: float):
+    """KL(teacher ‖ student) per token at ``temperature``, × T², averaged over real tokens."""
+    t = F.log_softmax(teacher.float() / temperature, dim=-1)
+    s = F.log_softmax(student.float() / temperature, dim=-1)
+    kl = (t.exp() * (t - s)).sum(-1)
+    return masked_mean(kl, mask) * temperature ** 2
+
+
+def last_hidden(out):
+    return out.last_hidden_state if getattr(out, "last_hidden_state", None) is not None else out.hidden_states[-1]
+
+
+def mean_pool(hidden, mask):
+    mask = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, teacher, loader, causal: bool, max_batches=None) -> dict:
+    """Held-out metrics of ``model`` (every process evaluates all rows, so no gather is needed).
+
+    Causal LMs: ``ppl`` (exp of the mean next-token NLL) and ``top1_agreement`` with the teacher; encoders:
+    ``cosine``, the mean over rows of the cosine between mean-pooled last hidden states of model and teacher.
+    """
+    was_training = model.training
+    model.eval()
+    nll, count, agree, real, cos, rows = 0.0, 0, 0, 0, 0.0, 0
+    for i, batch in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        kwargs = forward_kwargs(model, batch)
+        with accelerator.autocast():
+            out = model(**kwargs)
+            ref = teacher(**kwargs) if teacher is not None and teacher is not model else None
+        mask = batch["attention_mask"]
+        if causal:
+            s, c = next_token_nll(out.logits, batch["labels"])
+            nll, count = nll + float(s), count + int(c)
+            if ref is not None:
+                agree += int(((out.logits.argmax(-1) == ref.logits.argmax(-1)) & (mask == 1)).sum())
+        elif ref is not None:
+            a, b = mean_pool(last_hidden(out).float(), mask), mean_pool(last_hidden(ref).float(), mask)
+            cos += float(F.cosine_similarity(a, b, dim=-1).sum())
+        rows += len(mask)
+        real += int(mask.sum())
+    model.train(was_training)
+    if causal:
+        metrics = {"ppl": math.exp(nll / max(count, 1))}
+        if teacher is not None and teacher is not model:
+            metrics["top1_agreement"] = agree / max(real, 1)
+        return metrics
+    return {"cosine": cos / max(rows, 1)} if teacher is not None and teacher is not model else {}
+
+
+def trainable(model, names=()) -> list:
+    """Freeze ``model`` except ``hfab_*`` parameters and those whose name contains one of ``names``."""
+    params = []
+    for name, p in model.named_parameters():
+        keep = name.rsplit(".", 1)[-1].startswith("hfab_") or any(n in name for n in names)
+        p.requires_grad_(keep)
+        if keep:
+            params.append(p)
+    return params
+
+
+def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: int, lr: float, recipe: Recipe,
+              log, evaluate_fn) -> tuple[object, list[float]]:
+    """``steps`` optimizer steps of AdamW on ``params`` minimising ``loss_fn(wrapped_model, batch)``.
+
+    Warm-up + cosine schedule, clipping at ``train.clip`` (0 = none), ``train.grad_accum`` micro-batches per
+    step; logs every ``train.log_every`` steps and evaluates every ``train.eval_every`` (0 = never).
+    Returns (the prepared model, per-step losses averaged over the step's micro-batches).
+    """
+    if not params:
+        raise ConfigError(f"{stage}.steps={steps} but no parameter is trainable in this stage (e.g. Stieltjes adds "
+                          "none: name some in transfer.train, or set the steps to 0)")
+    t = recipe.train
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=t.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, t.warmup_steps, steps)
+    wrapped, optimizer, prepared = accelerator.prepare(model, optimizer, loader)
+    wrapped.train()
+    losses, micro, step = [], [], 0
+    bar = tqdm(total=steps, desc=stage, disable=not accelerator.is_local_main_process)
+    while step < steps:
+        for batch in prepared:
+            with accelerator.accumulate(wrapped):
+                loss = loss_fn(wrapped, batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and t.clip > 0:
+                    accelerator.clip_grad_norm_(params, t.clip)
+                optimizer.step()
+                optimizer.zero_grad()
+            micro.append(float(loss.detach()))
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            step += 1
+            losses.append(sum(micro) / len(micro))
+            micro = []
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.4g}")
+            if step % t.log_every == 0 or step == steps:
+                log(stage=stage, step=step, loss=losses[-1], lr=scheduler.get_last_lr()[0])
+            if t.eval_every and step % t.eval_every == 0 and step < steps:
+                log(stage=stage, step=step, eval=evaluate_fn(wrapped))
+            if step >= steps:
+                break
+    bar.close()
+    return wrapped, losses
+
+
+def save(accelerator, model, tokenizer, path: Path) -> None:
+    """``save_pretrained`` of the unwrapped converted model (main process writes) plus the tokenizer."""
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(path, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
+                              state_dict=accelerator.get_state_dict(model))
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(path)
+
+
+def run(recipe: Recipe) -> dict:
+    """Run a validated recipe; returns the summary written to ``output_dir/summary.json``."""
+    t, ft = recipe.train, recipe.fine_tune
+    accelerator = Accelerator(gradient_accumulation_steps=t.grad_accum,
+                              **({} if t.mixed_precision is None else {"mixed_precision": t.mixed_precision}))
+    set_seed(recipe.seed)
+    out_dir = Path(recipe.output_dir)
+    log = JsonLog(out_dir / "log.jsonl", accelerator.is_main_process)
+
+    teacher, tokenizer, causal = load_model(recipe.model.name, recipe.model.dtype, recipe.seed)
+    if not causal and ft.steps and (ft.lm_weight or ft.kl_weight):
+        raise ConfigError(f"model.name={recipe.model.name!r} is an encoder without logits: fine_tune.lm_weight and "
+                          "kl_weight must be 0 (use hidden_weight)")
+    d = recipe.data
+    documents = load_documents(d.source, d.documents + d.eval_documents, min_chars=d.min_chars,
+                               text_field=d.text_field)
+    train_docs, eval_docs = split_documents(documents, d.eval_documents)
+    train_rows = RowDataset(tokenize_rows(train_docs, tokenizer, d.seq_len))
+    eval_rows = RowDataset(tokenize_rows(eval_docs, tokenizer, d.seq_len))
+    generator = torch.Generator().manual_seed(recipe.seed)
+    train_loader = torch.utils.data.DataLoader(train_rows, batch_size=d.batch_size, shuffle=True, generator=generator)
+    eval_loader = torch.utils.data.DataLoader(eval_rows, batch_size=d.eval_batch_size)
+    log(event="data", train_rows=len(train_rows), eval_rows=len(eval_rows), train_documents=len(train_docs),
+        eval_documents=len(eval_docs))
+
+    c = recipe.convert
+    student = hfab.convert(teacher, c.backend, c.layers, **c.options)
+    teacher.to(accelerator.device).requires_grad_(False)
+    student.to(accelerator.device)
+
+    def evaluate_fn(model):
+        return evaluate(accelerator, model, teacher, eval_loader, causal, t.eval_batches)
+
+    summary = {"backend": c.backend, "model": recipe.model.name}
+    if causal:
+        summary["teacher"] = evaluate(accelerator, teacher, None, eval_loader, causal, t.eval_batches)
+    summary["converted"] = evaluate_fn(student)
+    log(stage="converted", eval=summary["converted"], teacher=summary.get("teacher"))
+
+    if recipe.calibrate.enabled:
+        cal = recipe.calibrate
+        batches = [{k: v.to(accelerator.device) for k, v in b.items()}
+                   for _, b in zip(range(cal.batches), torch.utils.data.DataLoader(train_rows, d.batch_size))]
+        report = calibrate(student, batches, race_betas=cal.race_betas, stieltjes_orders=cal.stieltjes_orders,
+                           steps=cal.steps, lr=cal.lr)
+        log(stage="calibrate", report=report)
+        if accelerator.is_main_process:
+            (out_dir / "calibration.json").write_text(json.dumps(report, indent=1))
+        summary["calibrated"] = evaluate_fn(student)
+        log(stage="calibrated", eval=summary["calibrated"])
+
+    model = student
+    if recipe.transfer.steps:
+        params = trainable(student, recipe.transfer.train)
+        with TeacherForcing(student) as forcing:
+            def transfer_loss(wrapped, batch):
+                forcing.token_mask, forcing.terms = batch["attention_mask"], {}
+                wrapped(**forward_kwargs(student, batch))
+                layer_losses = forcing.losses()
+                return sum(layer_losses.values()) / len(layer_losses)
+
+            model, losses = run_stage("transfer", accelerator, student, params, transfer_loss, train_loader,
+                                      recipe.transfer.steps, recipe.transfer.lr, recipe, log, evaluate_fn)
+        summary["transfer"] = {"first_loss": losses[0], "last_loss": losses[-1], "eval": evaluate_fn(model)}
+        log(stage="transfer", eval=summary["transfer"]["eval"])
+        save(accelerator, model, tokenizer, out_dir / "transfer")
+        model = accelerator.unwrap_model(model)
+
+    if ft.steps:
+        model = accelerator.unwrap_model(model)
+        if ft.method == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            trainable(model)
+            model = get_peft_model(model, LoraConfig(r=ft.lora_r, lora_alpha=ft.lora_alpha, lora_dropout=0.0,
+                                                     target_modules=list(ft.lora_target_modules)))
+        for name, p in model.named_parameters():
+            is_hfab = name.rsplit(".", 1)[-1].startswith("hfab_")
+            if ft.method == "full":
+                p.requires_grad_(True if not is_hfab else ft.train_hfab)
+            elif is_hfab:
+                p.requires_grad_(ft.train_hfab)
+            elif ft.method == "none":
+                p.requires_grad_(False)
+        if t.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        params = [p for p in model.parameters() if p.requires_grad]
+        need_hidden = ft.hidden_weight > 0 and causal
+
+        def finetune_loss(wrapped, batch):
+            kwargs = forward_kwargs(student, batch)
+            if need_hidden:
+                kwargs["output_hidden_states"] = True
+            out = wrapped(**kwargs)
+            mask = batch["attention_mask"]
+            loss = torch.zeros((), device=mask.device)
+            if ft.lm_weight:
+                nll, count = next_token_nll(out.logits, batch["labels"])
+                loss = loss + ft.lm_weight * nll / count.clamp(min=1)
+            if ft.kl_weight or ft.hidden_weight:
+                with torch.no_grad():
+                    ref = teacher(**kwargs)
+                if ft.kl_weight:
+                    loss = loss + ft.kl_weight * logit_kl(out.logits, ref.logits, mask, ft.temperature)
+                if ft.hidden_weight:
+                    err = ((last_hidden(out).float() - last_hidden(ref).float()) ** 2).mean(-1)
+                    loss = loss + ft.hidden_weight * masked_mean(err, mask)
+            return loss
+
+        model, losses = run_stage("fine_tune", accelerator, model, params, finetune_loss, train_loader, ft.steps,
+                                  ft.lr, recipe, log, evaluate_fn)
+        model = accelerator.unwrap_model(model)
+        if t.gradient_checkpointing:
+            model.gradient_checkpointing_disable()
+        if ft.method == "lora":
+            model = model.merge_and_unload()
+        summary["fine_tune"] = {"first_loss": losses[0], "last_loss": losses[-1]}
+
+    summary["final"] = evaluate_fn(model)
+    log(stage="final", eval=summary["final"])
+    save(accelerator, model, tokenizer, out_dir / "final")
+    if accelerator.is_main_process:
+        probe = next(iter(eval_loader))
+        kwargs = forward_kwargs(model, {k: v.to(accelerator.device) for k, v in probe.items()})
+        with torch.no_grad():
+            out = model.eval()(**kwargs)
+        torch.save({"inputs": {k: v.cpu() for k, v in kwargs.items() if torch.is_tensor(v)},
+                    "output": (out.logits if causal else last_hidden(out)).cpu()}, out_dir / "probe.pt")
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    accelerator.wait_for_everyone()
+    return summary
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="YAML recipe (configs/finetune/<name>.yaml)")
+    parser.add_argument("--output-dir", help="overrides the recipe's output_dir")
+    args = parser.parse_args(argv)
+    recipe = load_recipe(args.config)
+    if args.output_dir:
+        recipe.output_dir = args.output_dir
+    run(recipe)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

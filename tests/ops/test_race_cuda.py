@@ -1,0 +1,371 @@
+"""GPU tests of the RACE CUDA kernels (csrc/race), against a float64 oracle and the PyTorch reference.
+
+Tolerance (tests/tolerance.py): the kernel's error vs float64 must be at most 2x the error of the
+PyTorch reference (ops/race/reference.py) run on the same fp16/bf16 inputs, which rounds its fp32
+result to the input dtype as the kernel does. dbeta is fp32 in both: a sum of B*N*S fp32 terms in
+another order, so it gets a floor relative to its size (FP32_SUM_FLOOR). Outputs are allocated into
+NaN-poisoned memory so an element a kernel forgets to write fails the test.
+"""
+import itertools
+
+import pytest
+import torch
+
+import hf_attention_backends as hfab
+from hf_attention_backends import _ext
+from hf_attention_backends.ops.race import reference
+from tests.inputs import make_padding
+from tests.tolerance import assert_close_to_oracle
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+NS = [1, 7, 63, 64, 65, 333, 4097]
+GRAD_FLOOR = 1e-5      # fp32 residue of G.v - c where the exact gradient is 0 (e.g. one visible key)
+FP32_SUM_FLOOR = 1e-4  # x (1 + max|oracle|): fp32 sums in another order (dbeta; float32 inputs)
+
+
+def make_inputs(b, hq, hkv, nq, nk, d, *, dtype=torch.float16, scale=1.0, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, device=DEV, generator=g) * scale
+    k = torch.randn(b, hkv, nk, d, device=DEV, generator=g) * scale
+    v = torch.randn(b, hkv, nk, d, device=DEV, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def make_planes(num_tables, num_planes, d, seed=0):
+    return hfab.make_planes(num_tables, num_planes, d, seed=seed).to(DEV)
+
+
+def per_head_beta(hq, d, mult=1.0):
+    """(Hq,) fp32, a different beta per head around D**-0.5."""
+    return (torch.linspace(0.5, 1.5, hq, device=DEV) * d ** -0.5 * mult).float()
+
+
+def oracle(q, k, v, planes, beta, *, causal, mask):
+    """float64 RACE attention, dense Nq x Nk with explicit masks (softmax over itertools.product corners).
+
+    beta () or (Hq,); differentiable in q, k, v and beta.
+    """
+    q, k, v, planes = q.double(), k.double(), v.double(), planes.double()
+    hq, nq, nk = q.shape[1], q.shape[2], k.shape[2]
+    groups = hq // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    beta = beta.double().expand(hq).view(1, hq, 1, 1, 1)
+    corners = torch.tensor(list(itertools.product((-1.0, 1.0), repeat=planes.shape[1])), dtype=torch.float64,
+                           device=q.device)  # (R, P)
+
+    def features(x):
+        u = torch.tanh(torch.einsum("bhnd,lpd->bhnlp", x, planes))
+        return torch.softmax(beta * torch.einsum("bhnlp,rp->bhnlr", u, corners), dim=-1).flatten(-2)
+
+    a = features(q) @ features(k).transpose(-1, -2)  # (B, Hq, Nq, Nk)
+    i = torch.arange(nq, device=q.device)[:, None]
+    j = torch.arange(nk, device=q.device)[None, :]
+    allowed = (j <= i + (nk - nq)) if causal else torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    allowed = allowed[None, None]
+    if mask is not None:
+        allowed = allowed & mask[:, None, None, :]
+    a = a * allowed
+    den = a.sum(dim=-1, keepdim=True)
+    return torch.where(den > 0, (a @ v) / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(den))
+
+
+def poison(*likes):
+    """Leave NaN-filled blocks of these sizes in the CUDA caching allocator for the next outputs to reuse."""
+    blocks = [torch.full_like(t, float("nan")) for t in likes]
+    del blocks
+
+
+def run_kernel(q, k, v, planes, beta, dout, *, causal, mask):
+    """out from hfab::race_fwd and (dq, dk, dv, dbeta) from hfab::race_bwd, into poisoned memory."""
+    poison(q)
+    out = torch.ops.hfab.race_fwd(q, k, v, planes, beta, mask, causal)
+    poison(q, k, v, beta)
+    grads = torch.ops.hfab.race_bwd(dout, q, k, v, planes, beta, mask, causal)
+    return out, grads
+
+
+def reference_run(q, k, v, planes, beta, dout, *, causal, mask):
+    """The PyTorch reference on the kernel's inputs (fp32 compute, result in the input dtype) and its grads."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, beta)]
+    out = reference.race_forward(*leaves[:3], planes, leaves[3], mask, causal)
+    return out.detach(), torch.autograd.grad(out, leaves, dout)
+
+
+def check_against_oracle(q, k, v, planes, beta, *, causal, mask=None, seed=1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    dout = torch.randn(q.shape, device=DEV, generator=g).to(q.dtype)
+    out, grads = run_kernel(q, k, v, planes, beta, dout, causal=causal, mask=mask)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+
+    leaves = [t.double().requires_grad_(True) for t in (q, k, v, beta)]
+    out64 = oracle(*leaves[:3], planes, leaves[3], causal=causal, mask=mask)
+    out_ref, grads_ref = reference_run(q, k, v, planes, beta, dout, causal=causal, mask=mask)
+    fp32 = q.dtype == torch.float32
+    floor = FP32_SUM_FLOOR * (1.0 + float(out64.detach().abs().max())) if fp32 else 1e-6
+    assert_close_to_oracle(out, out64.detach(), baseline=out_ref, floor=floor, name="out")
+
+    grads64 = torch.autograd.grad(out64, leaves, dout.double())
+    for name, got, want, base, like in zip(("dq", "dk", "dv", "dbeta"), grads, grads64, grads_ref, (q, k, v, beta)):
+        assert got.shape == like.shape and got.dtype == like.dtype and got.is_contiguous(), name
+        rel = FP32_SUM_FLOOR * (1.0 + float(want.abs().max()))
+        assert_close_to_oracle(got, want, baseline=base, floor=rel if (name == "dbeta" or fp32) else GRAD_FLOOR,
+                               name=name)
+    return out, grads
+
+
+def test_extension_registers_the_cuda_kernels():
+    assert _ext.extension_loaded(), f"hf_attention_backends._C failed to load: {_ext.extension_error()}"
+    for op in ("race_fwd", "race_bwd"):
+        table = torch._C._dispatch_dump(f"hfab::{op}")
+        assert f"{op}.cu" in table, f"hfab::{op} CUDA kernel is not the compiled one:\n{table}"
+
+
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_and_gradients_gqa(n, d, causal):
+    b, hq, hkv = (1, 2, 1) if n > 1000 else (2, 4, 2)
+    q, k, v = make_inputs(b, hq, hkv, n, n, d)
+    check_against_oracle(q, k, v, make_planes(4, 4, d), per_head_beta(hq, d), causal=causal)
+
+
+@pytest.mark.parametrize("num_planes, num_tables", [(1, 1), (2, 3), (3, 8), (4, 4), (5, 2), (6, 1), (6, 8)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_planes_and_tables_grid(num_planes, num_tables, causal):
+    q, k, v = make_inputs(2, 4, 2, 97, 97, 64)
+    check_against_oracle(q, k, v, make_planes(num_tables, num_planes, 64, seed=num_planes), per_head_beta(4, 64),
+                         causal=causal)
+
+
+@pytest.mark.parametrize("d", [32, 128])
+def test_largest_feature_map(d):
+    q, k, v = make_inputs(1, 2, 1, 130, 130, d)
+    for causal in (False, True):
+        check_against_oracle(q, k, v, make_planes(8, 6, d), per_head_beta(2, d), causal=causal)
+
+
+@pytest.mark.parametrize("hq, hkv", [(3, 3), (6, 1), (8, 2)])
+@pytest.mark.parametrize("n", [65, 333])
+def test_head_groupings(hq, hkv, n):
+    q, k, v = make_inputs(2, hq, hkv, n, n, 64)
+    for causal in (False, True):
+        check_against_oracle(q, k, v, make_planes(4, 4, 64), per_head_beta(hq, 64), causal=causal)
+
+
+@pytest.mark.parametrize("nq, nk", [(1, 1), (1, 7), (1, 333), (65, 333), (63, 64), (7, 4097), (64, 65), (130, 200),
+                                    (64, 192)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fewer_queries_than_keys(nq, nk, causal):
+    q, k, v = make_inputs(2, 4, 2, nq, nk, 64)
+    check_against_oracle(q, k, v, make_planes(4, 4, 64), per_head_beta(4, 64), causal=causal)
+
+
+@pytest.mark.parametrize("nq, nk", [(70, 33), (200, 65), (65, 1), (128, 64)])
+def test_more_queries_than_keys_gives_empty_rows(nq, nk):
+    q, k, v = make_inputs(1, 2, 1, nq, nk, 64)
+    planes, beta = make_planes(4, 4, 64), per_head_beta(2, 64)
+    check_against_oracle(q, k, v, planes, beta, causal=True)
+    empty = nq - nk  # causal, bottom-right aligned: queries [0, nq - nk) see no key
+    out, (dq, _, _, _) = run_kernel(q, k, v, planes, beta, torch.ones_like(q), causal=True, mask=None)
+    assert torch.equal(out[:, :, :empty], torch.zeros_like(out[:, :, :empty]))
+    assert torch.equal(dq[:, :, :empty], torch.zeros_like(dq[:, :, :empty]))
+    assert bool((out[:, :, empty:] != 0).any(dim=-1).all()), "rows that see a key must not be 0"
+
+
+@pytest.mark.parametrize("n", [7, 65, 333])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("left", [False, True])
+def test_key_padding(n, causal, left):
+    q, k, v = make_inputs(3, 4, 2, n, n, 64)
+    mask = make_padding(3, n, left=left, seed=n).to(DEV)
+    mask[0] = False  # a sequence with no real key: every row empty
+    out, (dq, dk, dv, _) = check_against_oracle(q, k, v, make_planes(4, 4, 64), per_head_beta(4, 64), causal=causal,
+                                                mask=mask)
+    for t in (out[0], dq[0], dk[0], dv[0]):
+        assert torch.equal(t, torch.zeros_like(t))
+    padded = ~mask[:, None, :, None].expand_as(dk)  # padded keys get no gradient
+    assert torch.equal(dk[padded], torch.zeros_like(dk[padded])) and torch.equal(dv[padded], torch.zeros_like(dv[padded]))
+
+
+@pytest.mark.parametrize("mult", [0.05, 1.0, 3.0, 10.0])
+@pytest.mark.parametrize("d", [64, 128])
+def test_input_scales_no_nan(mult, d):
+    q, k, v = make_inputs(2, 4, 2, 333, 333, d, scale=mult)
+    for causal in (False, True):
+        check_against_oracle(q, k, v, make_planes(4, 4, d), per_head_beta(4, d), causal=causal)
+
+
+@pytest.mark.parametrize("beta_mult", [0.05, 3.0, 10.0])
+def test_beta_scales(beta_mult):
+    q, k, v = make_inputs(2, 4, 2, 333, 333, 64, scale=3.0)
+    for causal in (False, True):
+        check_against_oracle(q, k, v, make_planes(4, 4, 64), per_head_beta(4, 64, beta_mult), causal=causal)
+
+
+def test_scalar_beta_gets_a_scalar_gradient():
+    q, k, v = make_inputs(2, 4, 2, 65, 65, 64)
+    beta = torch.tensor(0.125, device=DEV)
+    for causal in (False, True):
+        _, grads = check_against_oracle(q, k, v, make_planes(4, 4, 64), beta, causal=causal)
+        assert grads[3].shape == () and grads[3].dtype == torch.float32
+
+
+@pytest.mark.parametrize("n", [65, 4097])
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_bfloat16(n, d):
+    b, hq, hkv = (1, 2, 1) if n > 1000 else (2, 4, 2)
+    q, k, v = make_inputs(b, hq, hkv, n, n, d, dtype=torch.bfloat16)
+    for causal in (False, True):
+        check_against_oracle(q, k, v, make_planes(4, 4, d), per_head_beta(hq, d), causal=causal)
+
+
+@pytest.mark.parametrize("n", [7, 333])
+def test_float32(n):
+    q, k, v = make_inputs(2, 4, 2, n, n, 64, dtype=torch.float32)
+    for causal in (False, True):
+        check_against_oracle(q, k, v, make_planes(4, 4, 64), per_head_beta(4, 64), causal=causal)
+
+
+def test_unsupported_configurations_raise_clear_errors():
+    q, k, v = make_inputs(1, 2, 2, 8, 8, 64)
+    beta = per_head_beta(2, 64)
+    for num_tables, num_planes in ((1, 7), (9, 1)):
+        with pytest.raises(RuntimeError, match="tables are not supported; supported: 1 <= P <= 6, 1 <= L <= 8"):
+            torch.ops.hfab.race_fwd(q, k, v, make_planes(num_tables, num_planes, 64), beta, None, False)
+    for d in (16, 48, 256):
+        qd, kd, vd = make_inputs(1, 2, 2, 8, 8, d)
+        with pytest.raises(RuntimeError, match=f"head dim D={d} is not supported; supported: 32, 64, 128"):
+            torch.ops.hfab.race_fwd(qd, kd, vd, make_planes(4, 4, d), beta, None, False)
+    with pytest.raises(RuntimeError, match="dtype Double is not supported; supported: float16, bfloat16, float32"):
+        torch.ops.hfab.race_fwd(*make_inputs(1, 2, 2, 8, 8, 64, dtype=torch.float64), make_planes(4, 4, 64), beta,
+                                None, False)
+    with pytest.raises(RuntimeError, match="key_padding_mask must be a CUDA tensor"):
+        torch.ops.hfab.race_fwd(q, k, v, make_planes(4, 4, 64), beta, torch.ones(1, 8, dtype=torch.bool), False)
+
+
+def test_causality_earlier_rows_bitwise_unchanged():
+    q, k, v = make_inputs(2, 4, 2, 333, 333, 64)
+    planes, beta = make_planes(4, 4, 64), per_head_beta(4, 64)
+    out = torch.ops.hfab.race_fwd(q, k, v, planes, beta, None, True)
+    q2, k2, v2 = (t.clone() for t in (q, k, v))
+    for t in (q2, k2, v2):
+        t[:, :, 200:] = torch.randn_like(t[:, :, 200:])
+    out2 = torch.ops.hfab.race_fwd(q2, k2, v2, planes, beta, None, True)
+    assert torch.equal(out[:, :, :200], out2[:, :, :200])
+    assert not torch.equal(out[:, :, 200:], out2[:, :, 200:])
+
+
+def test_deterministic():
+    q, k, v = make_inputs(2, 8, 2, 333, 333, 64)
+    planes, beta = make_planes(4, 4, 64), per_head_beta(8, 64)
+    mask = make_padding(2, 333, seed=2).to(DEV)
+    dout = torch.randn_like(q)
+    for causal in (False, True):
+        first = run_kernel(q, k, v, planes, beta, dout, causal=causal, mask=mask)
+        second = run_kernel(q, k, v, planes, beta, dout, causal=causal, mask=mask)
+        assert torch.equal(first[0], second[0])
+        for a, b in zip(first[1], second[1]):
+            assert torch.equal(a, b)
+
+
+def _views(q, k, v):
+    """Same values, other layouts: (B, N, H, D) transposed, inside a wider last dim, misaligned offset."""
+    def transposed(t):
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    def strided(t):
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+
+    def offset(t):
+        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype, device=t.device)
+        wide[..., 1:] = t
+        return wide[..., 1:]
+
+    return [tuple(f(t) for t in (q, k, v)) for f in (transposed, strided, offset)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_non_contiguous_inputs_equal_contiguous(causal):
+    q, k, v = make_inputs(2, 4, 2, 65, 65, 64)
+    planes, beta = make_planes(4, 4, 64), per_head_beta(4, 64)
+    mask = make_padding(2, 65, seed=3).to(DEV)
+    dout = torch.randn_like(q)
+    out, grads = run_kernel(q, k, v, planes, beta, dout, causal=causal, mask=mask)
+    for qv, kv, vv in _views(q, k, v):
+        assert not qv.is_contiguous()
+        mask_v = torch.stack([mask, ~mask], dim=-1)[..., 0]  # stride 2 along Nk
+        dout_v = dout.transpose(1, 2).contiguous().transpose(1, 2)
+        out_v, grads_v = run_kernel(qv, kv, vv, planes, beta, dout_v, causal=causal, mask=mask_v)
+        assert torch.equal(out_v, out)
+        for got, want in zip(grads_v, grads):
+            assert torch.equal(got, want)
+
+
+def test_public_function_autograd():
+    q, k, v = (t.requires_grad_(True) for t in make_inputs(2, 4, 2, 65, 65, 64))
+    planes = make_planes(4, 4, 64)
+    beta = per_head_beta(4, 64).requires_grad_(True)
+    mask = make_padding(2, 65, seed=5).to(DEV)
+    out = hfab.race_attention(q, k, v, planes=planes, beta=beta, causal=True, key_padding_mask=mask)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    _, (dq, dk, dv, dbeta) = run_kernel(q.detach(), k.detach(), v.detach(), planes, beta.detach(), dout, causal=True,
+                                        mask=mask)
+    assert torch.equal(q.grad, dq) and torch.equal(k.grad, dk) and torch.equal(v.grad, dv)
+    assert torch.equal(beta.grad, dbeta) and planes.grad is None
+
+
+def test_launches_on_the_current_stream_and_in_cuda_graphs():
+    q, k, v = make_inputs(2, 4, 2, 333, 333, 64)
+    planes, beta = make_planes(4, 4, 64), per_head_beta(4, 64)
+    expected = torch.ops.hfab.race_fwd(q, k, v, planes, beta, None, True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up on the side stream, as CUDA graph capture requires
+            torch.ops.hfab.race_fwd(q, k, v, planes, beta, None, True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.hfab.race_fwd(q, k, v, planes, beta, None, True)
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, expected)
+
+
+def test_opcheck():
+    q, k, v = (t.requires_grad_(True) for t in make_inputs(2, 4, 2, 65, 65, 64))
+    planes = make_planes(4, 4, 64)
+    beta = per_head_beta(4, 64).requires_grad_(True)
+    mask = make_padding(2, 65, seed=7).to(DEV)
+    torch.library.opcheck(torch.ops.hfab.race_fwd.default, (q, k, v, planes, beta, mask, True))
+    torch.library.opcheck(torch.ops.hfab.race_fwd.default, (q, k, v, planes, beta, None, False))
+    q, k, v, beta = q.detach(), k.detach(), v.detach(), beta.detach()
+    torch.library.opcheck(torch.ops.hfab.race_bwd.default, (torch.randn_like(q), q, k, v, planes, beta, mask, True))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compile_fullgraph(backend):
+    q, k, v = (t.requires_grad_(True) for t in make_inputs(1, 4, 2, 65, 65, 64))
+    planes = make_planes(4, 4, 64)
+    beta = per_head_beta(4, 64).requires_grad_(True)
+
+    def fn(q, k, v, beta):
+        return hfab.race_attention(q, k, v, planes=planes, beta=beta, causal=True) * 2.0
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    out = compiled(q, k, v, beta)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v, beta)]
+    for t in (q, k, v, beta):
+        t.grad = None
+    eager = fn(q, k, v, beta)
+    eager.sum().backward()
+    assert torch.equal(out, eager)
+    for got, t in zip(grads, (q, k, v, beta)):
+        assert torch.equal(got, t.grad)

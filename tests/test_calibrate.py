@@ -1,0 +1,98 @@
+import pytest
+import torch
+
+import hf_attention_backends as hfab
+from hf_attention_backends.calibrate import TeacherForcing, calibrate, layer_errors
+from hf_attention_backends.integrations import attention_layers
+from tests.integrations.tiny_models import output_of, tiny_inputs, tiny_model
+
+
+def peaked(family="llama"):
+    """A tiny random model whose attention is far from uniform (q/k weights scaled), so backends differ."""
+    model = tiny_model(family)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("q_proj", "k_proj", "query.weight", "key.weight")):
+                p.mul_(12.0)
+    return model
+
+
+def batches(family="llama", n=2, length=16):
+    out = []
+    for seed in range(n):
+        ids = tiny_inputs(family, 2, length, seed=seed)["input_ids"]
+        mask = torch.ones_like(ids)
+        mask[1, length - 5:] = 0  # right padding in one row: padded tokens must not count
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def test_exact_backend_has_zero_error():
+    model = hfab.convert(peaked(), "exact")
+    errors = layer_errors(model, batches())
+    assert set(errors) == {0, 1}
+    assert max(errors.values()) < 1e-10
+
+
+def test_teacher_forcing_gives_the_softmax_model_output():
+    base = peaked()
+    model = hfab.convert(base, "race", num_planes=2, num_tables=2)
+    inputs = tiny_inputs("llama", 2, 16)
+    with torch.no_grad():
+        expected = output_of(base, **inputs)
+        plain = output_of(model, **inputs)
+        with TeacherForcing(model) as forcing:
+            forced = output_of(model, **inputs, use_cache=False)
+    assert not torch.allclose(plain, expected, atol=1e-3), "RACE should move the outputs of a peaked model"
+    torch.testing.assert_close(forced, expected, rtol=1e-5, atol=1e-5)
+    assert set(forcing.terms) == {0, 1} and all(float(e) > 0 for e, _, _ in forcing.terms.values())
+
+
+def test_teacher_forcing_refuses_a_kv_cache():
+    model = hfab.convert(peaked(), "race")
+    with TeacherForcing(model), pytest.raises(ValueError, match="use_cache=False"):
+        model(**tiny_inputs("llama", 1, 8), use_cache=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_race_calibration_improves_every_layer(family):
+    model = hfab.convert(peaked(family), "race", num_planes=2, num_tables=2, per_head_beta=True)
+    grid = [0.05, 0.2, 1.0, 3.0]
+    report = calibrate(model, batches(family), race_betas=grid, steps=5, lr=0.05)
+    before, after = report["before"], report["after"]
+    assert set(before) == set(after) == {0, 1}
+    for idx in before:
+        assert after[idx] <= before[idx] + 1e-12
+    assert sum(after.values()) < 0.95 * sum(before.values())
+    assert report["after"] == pytest.approx(layer_errors(model, batches(family)))
+    for idx, module in attention_layers(model):
+        assert report["choices"]["beta"][idx] in grid
+        assert bool((module.hfab_beta >= 1e-4).all())
+
+
+def test_stieltjes_order_is_chosen_recorded_and_survives_save_load(tmp_path):
+    model = hfab.convert(peaked(), "stieltjes", order=16.0)
+    data = batches()
+    report = calibrate(model, data, stieltjes_orders=[1.0, 2.0, 16.0])
+    order = report["choices"]["order"]
+    scored = {}
+    for candidate in (1.0, 2.0, 16.0):
+        scored[candidate] = sum(layer_errors(hfab.convert(peaked(), "stieltjes", order=candidate), data).values())
+    assert order == min(scored, key=scored.get)
+    assert sum(report["after"].values()) == pytest.approx(scored[order])
+    assert model.config.hfab_plan["config"]["order"] == order
+    model.save_pretrained(tmp_path)
+    loaded = hfab.from_pretrained(tmp_path)
+    assert all(m.hfab_config.order == order for _, m in attention_layers(loaded))
+
+
+def test_calibrate_errors():
+    with pytest.raises(ValueError, match="no converted attention layer"):
+        calibrate(tiny_model("llama"), batches())
+    model = hfab.convert(peaked(), "race")
+    with pytest.raises(ValueError, match="batches is empty"):
+        calibrate(model, [])
+    with pytest.raises(ValueError, match="race_betas"):
+        calibrate(model, batches(), race_betas=[0.1, -1.0])
+    with pytest.raises(ValueError, match="no hfab_\\* parameters"):
+        calibrate(hfab.convert(peaked(), "stieltjes"), batches(), stieltjes_orders=[4.0], steps=2)

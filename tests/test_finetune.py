@@ -1,0 +1,163 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+import hf_attention_backends as hfab
+from hf_attention_backends.calibrate import TeacherForcing, forward_kwargs
+from finetune.config import ConfigError, Recipe, load_recipe, recipe_from_dict
+from finetune.data import ByteTokenizer, load_documents, split_documents, tokenize_rows
+from finetune.models import load_model
+from finetune.train import next_token_nll, run_stage, trainable
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "finetune" / "tiny_smoke.yaml"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs" / "finetune").glob("*.yaml")))
+def test_shipped_recipes_validate(name):
+    load_recipe(ROOT / "configs" / "finetune" / name)
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"modle": {}}, r"unknown key\(s\) \['modle'\] in recipe"),
+    ({"data": {"seq_len": "long"}}, r"data.seq_len must be an int, got str"),
+    ({"data": {"batch_size": 0}}, r"data.batch_size=0 must be > 0"),
+    ({"transfer": {"lr": True}}, r"transfer.lr must be a float, got bool"),
+    ({"convert": {"backend": "nystrom", "options": {"num_landmarks": 0}}}, r"convert: num_landmarks=0"),
+    ({"convert": {"backend": "race", "options": {"order": 4}}}, r"convert: unknown option\(s\) \['order'\]"),
+    ({"fine_tune": {"method": "qlora"}}, r"fine_tune.method='qlora' is not supported; supported: lora, full"),
+    ({"fine_tune": {"steps": 3, "lm_weight": 0}}, r"lm_weight, kl_weight and hidden_weight are all 0"),
+    ({"train": {"mixed_precision": "fp8"}}, r"train.mixed_precision='fp8' is not supported"),
+    ({"calibrate": {"race_betas": [0.1, 0]}}, r"calibrate.race_betas=\[0.1, 0\] must be null or a non-empty"),
+    ({"model": {"dtype": "int8"}}, r"model.dtype='int8' is not supported"),
+    ({"data": []}, r"data must be a mapping, got list"),
+])
+def test_config_validation_errors(data, match):
+    with pytest.raises(ConfigError, match=match):
+        recipe_from_dict(data)
+
+
+def test_rows_never_cross_documents():
+    tok = ByteTokenizer()
+    # each document uses its own letter, with lengths around and across the row length
+    docs = [chr(ord("a") + i) * n for i, n in enumerate([3, 7, 8, 9, 20, 1])]
+    rows = tokenize_rows(docs, tok, seq_len=8)
+    ids, mask, labels = rows["input_ids"], rows["attention_mask"], rows["labels"]
+    assert ids.shape[1] == 8
+    rebuilt = {}
+    for r in range(len(ids)):
+        n = int(mask[r].sum())
+        assert bool(mask[r, :n].all()) and not bool(mask[r, n:].any()), "padding only at the end"
+        assert bool((ids[r, n:] == tok.pad_token_id).all()) and bool((labels[r, n:] == -100).all())
+        real = ids[r, :n].tolist()
+        letters = {t for t in real if t != tok.bos_token_id}
+        doc = int(rows["doc_index"][r])
+        assert letters <= {ord(docs[doc][0]) + 3}, f"row {r} mixes documents"
+        rebuilt.setdefault(doc, []).extend(real)
+    for d, text in enumerate(docs):  # every document is whole, in order (a 1-token tail row is dropped)
+        full = tok.encode(text)
+        kept = full if len(full) % 8 != 1 else full[:-1]
+        assert rebuilt.get(d, []) == kept
+
+
+def test_load_documents_from_local_files(tmp_path):
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text('{"body": "first doc"}\n\n{"body": "second"}\n{"body": "third one"}\n')
+    assert load_documents(str(jsonl), 2, text_field="body") == ["first doc", "second"]
+    assert load_documents(str(jsonl), 2, text_field="body", min_chars=7) == ["first doc", "third one"]
+    txt = tmp_path / "docs.txt"
+    txt.write_text("one\n\ntwo\nthree\n")
+    assert load_documents(str(txt), 3) == ["one", "two", "three"]
+    with pytest.raises(ValueError, match="has 3 documents"):
+        load_documents(str(txt), 4)
+    with pytest.raises(ValueError, match="text_field='text'"):
+        load_documents(str(jsonl), 1)
+    with pytest.raises(ValueError, match="not supported"):
+        load_documents(str(tmp_path / "missing.csv"), 1)
+    train, held = split_documents([str(i) for i in range(10)], 3)
+    assert held == ["2", "5", "8"] and len(train) == 7 and not set(train) & set(held)
+
+
+def peaked_tiny_llama():
+    model, tok, causal = load_model("tiny_llama")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(12.0)
+    return model, tok, causal
+
+
+def loader(tok, n=8):
+    rows = tokenize_rows(load_documents("news", 4), tok, 32)
+    data = [{k: v[i] for k, v in rows.items() if k != "doc_index"} for i in range(min(n, len(rows["input_ids"])))]
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def test_attention_transfer_and_lm_loss_decrease():
+    model, tok, causal = peaked_tiny_llama()
+    assert causal
+    student = hfab.convert(model, "race", num_planes=2, num_tables=2, per_head_beta=True)
+    accelerator = Accelerator(cpu=True)
+    recipe = Recipe()
+    recipe.train.log_every = 100
+    batches = loader(tok, n=4)  # one fixed batch: the losses of successive steps are comparable
+    params = trainable(student, ["k_proj"])  # k_proj also exercises the teacher's frozen snapshot
+    assert {n.rsplit(".", 1)[-1] for n, p in student.named_parameters() if p.requires_grad} == {"hfab_beta", "weight"}
+    with TeacherForcing(student) as forcing:
+        def transfer_loss(wrapped, batch):
+            forcing.token_mask, forcing.terms = batch["attention_mask"], {}
+            wrapped(**forward_kwargs(student, batch))
+            return sum(forcing.losses().values()) / len(forcing.terms)
+
+        _, losses = run_stage("transfer", accelerator, student, params, transfer_loss, batches, 12, 0.1, recipe,
+                              lambda **_: None, None)
+    assert len(losses) == 12
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.9 * losses[0], losses
+
+    def lm_loss(wrapped, batch):
+        nll, count = next_token_nll(wrapped(**forward_kwargs(student, batch)).logits, batch["labels"])
+        return nll / count
+
+    student.requires_grad_(True)
+    params = list(student.parameters())
+    _, losses = run_stage("fine_tune", accelerator, student, params, lm_loss, batches, 8, 3e-3, recipe,
+                          lambda **_: None, None)
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_stage_without_trainable_parameters_is_refused():
+    model, tok, _ = load_model("tiny_llama")
+    student = hfab.convert(model, "stieltjes")
+    with pytest.raises(ConfigError, match="no parameter is trainable"):
+        run_stage("transfer", Accelerator(cpu=True), student, trainable(student), None, loader(tok), 2, 0.1,
+                  Recipe(), None, None)
+
+
+@pytest.mark.slow
+def test_train_script_end_to_end_on_cpu(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(ROOT / "finetune" / "train.py"), "--config", str(SMOKE),
+                           "--output-dir", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"teacher", "converted", "calibrated", "transfer", "fine_tune", "final"} <= set(summary)
+    assert summary["final"]["ppl"] > 1
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    stages = {r.get("stage") for r in records}
+    assert {"converted", "calibrate", "transfer", "fine_tune", "final"} <= stages
+    assert [r["step"] for r in records if r.get("stage") == "fine_tune" and "loss" in r] == [1, 2, 3]
+    for name in ("transfer", "final"):
+        loaded = hfab.from_pretrained(out / name)
+        assert loaded.config.hfab_plan["backend"] == "race"
+    probe = torch.load(out / "probe.pt")
+    with torch.no_grad():
+        again = loaded.eval()(**probe["inputs"]).logits
+    assert torch.equal(again, probe["output"]), "the saved model does not reload bitwise"
