@@ -19,8 +19,6 @@ from typing import Optional
 
 import torch
 
-from hf_attention_backends.integrations import is_causal
-
 from . import common, metrics
 
 DEFAULT_TOL = 1e-4  # relative error, fp32: different shapes change only the summation order
@@ -118,7 +116,7 @@ def run_behaviour(model, sequences: list, pad_id: int, backend: Optional[str] = 
     sequences: 1-D id tensors of different lengths (>= 2 tokens each). Returns {check: {value, limit, passed,
     ...}}: causality_leak, generate and incremental_decode for causal LMs; padding_left / padding_right always.
     """
-    causal_lm = hasattr(model, "lm_head") and is_causal(model)
+    causal_lm = common.is_causal_lm(model)
     switch = common.backend(model, backend, config) if backend else contextlib.nullcontext()
     result = {}
     with switch:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 from typing import Optional
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from hf_attention_backends import disable_backend, enable_backend
 from hf_attention_backends import models as assets
 from hf_attention_backends.cli import DTYPES, MODELS, parse_backends
+from hf_attention_backends.integrations import is_causal
 
 from . import metrics
 
@@ -36,6 +38,11 @@ def text_batch(tokenizer, n: int, seq_len: int, device="cpu") -> dict:
         raise ValueError(f"seq_len={seq_len} must be >= 2")
     texts = assets.news_articles(n, min_chars=5 * seq_len)
     return tokenizer(texts, padding=True, truncation=True, max_length=seq_len, return_tensors="pt").to(device)
+
+
+def is_causal_lm(model) -> bool:
+    """Whether ``model`` is a causal language model (causal attention and an LM head giving logits)."""
+    return hasattr(model, "lm_head") and is_causal(model)
 
 
 def real_mask(inputs: dict) -> Optional[torch.Tensor]:
@@ -80,7 +87,7 @@ def parity(ref: torch.Tensor, out: torch.Tensor, inputs: dict, causal: bool) -> 
         loss_ref, loss_out = metrics.next_token_loss(ref, ids, mask), metrics.next_token_loss(out, ids, mask)
         result.update(kl=metrics.kl_divergence(ref, out, mask), top1=metrics.topk_agreement(ref, out, 1, mask),
                       top5=metrics.topk_agreement(ref, out, 5, mask), loss_softmax=loss_ref, loss_backend=loss_out,
-                      ppl_softmax=float(torch.tensor(loss_ref).exp()), ppl_backend=float(torch.tensor(loss_out).exp()))
+                      ppl_softmax=math.exp(loss_ref), ppl_backend=math.exp(loss_out))
     elif mask is not None:
         cos_mean, cos_min = metrics.embedding_cosine(out, ref, mask)
         result.update(embedding_cosine_mean=cos_mean, embedding_cosine_min=cos_min)

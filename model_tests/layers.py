@@ -15,8 +15,6 @@ import json
 import sys
 from typing import Optional
 
-import torch
-
 from hf_attention_backends import integrations
 
 from . import common, metrics

@@ -13,8 +13,6 @@ import json
 import sys
 from typing import Optional
 
-from hf_attention_backends.integrations import is_causal
-
 from . import common, metrics
 
 
@@ -27,7 +25,7 @@ def output_parity(model, inputs: dict, backend: str, config: Optional[dict] = No
     ref = common.output_of(model, inputs) if ref is None else ref
     with common.backend(model, backend, config):
         out = common.output_of(model, inputs)
-    return common.parity(ref, out, inputs, causal=hasattr(model, "lm_head") and is_causal(model))
+    return common.parity(ref, out, inputs, causal=common.is_causal_lm(model))
 
 
 def exact_gates(model, inputs: dict) -> dict:
@@ -46,7 +44,7 @@ def exact_gates(model, inputs: dict) -> dict:
             outputs["exact"] = common.output_of(model, inputs)
     finally:
         model.set_attn_implementation(previous)
-    causal_lm = hasattr(model, "lm_head") and is_causal(model)
+    causal_lm = common.is_causal_lm(model)
     return metrics.envelope_gates(outputs["eager"], outputs["sdpa"], outputs["exact"], common.real_mask(inputs),
                                   inputs["input_ids"] if causal_lm else None)
 

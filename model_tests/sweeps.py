@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Optional
 
-from hf_attention_backends.integrations import head_dims, is_causal
+from hf_attention_backends.integrations import head_dims
 
 from . import common
 
@@ -28,10 +28,6 @@ def default_knobs(backend: str, head_dim: int) -> dict:
     }[backend]
 
 
-def _causal_lm(model) -> bool:
-    return hasattr(model, "lm_head") and is_causal(model)
-
-
 def sweep_knob(model, inputs: dict, backend: str, knob: str, values: list, base: Optional[dict] = None,
                ref=None) -> list[dict]:
     """[{value, **parity}] with ``knob`` set to each value on top of ``base`` (the other options)."""
@@ -40,7 +36,7 @@ def sweep_knob(model, inputs: dict, backend: str, knob: str, values: list, base:
     for value in values:
         with common.backend(model, backend, {**(base or {}), knob: value}):
             out = common.output_of(model, inputs)
-        points.append({"value": value, **common.parity(ref, out, inputs, _causal_lm(model))})
+        points.append({"value": value, **common.parity(ref, out, inputs, common.is_causal_lm(model))})
     return points
 
 
@@ -61,7 +57,8 @@ def sweep_length(model, tokenizer, backend: str, lengths: list, num_texts: int =
         with common.backend(model, backend, config):
             out = common.output_of(model, inputs)
         tokens = int(inputs["attention_mask"].sum())
-        points.append({"seq_len": length, "tokens": tokens, **common.parity(ref, out, inputs, _causal_lm(model))})
+        quality = common.parity(ref, out, inputs, common.is_causal_lm(model))
+        points.append({"seq_len": length, "tokens": tokens, **quality})
     return points
 
 

@@ -75,7 +75,9 @@ def test_output_parity_on_a_tiny_language_model():
     assert exact["kl"] < 1e-10 and exact["top1"] == 1.0 and exact["top5"] == 1.0
     assert exact["ppl_backend"] == pytest.approx(exact["ppl_softmax"], rel=1e-5)
     race = outputs.output_parity(model, inputs, "race")
-    assert race["kl"] > 1e-6 and race["rel_error"] > 1e-3 and race["top1"] <= race["top5"] <= 1.0
+    # a random tiny model's next-token distributions are nearly uniform: KL is small but far above exact's
+    assert race["kl"] > 1e3 * max(exact["kl"], 1e-15) and race["rel_error"] > 1e-3
+    assert race["top1"] <= race["top5"] <= 1.0
     assert race["ppl_softmax"] == pytest.approx(exact["ppl_softmax"])  # the same reference
 
 

@@ -67,31 +67,33 @@ template <int ROWS, int COLS> struct __align__(16) ScoreTile {
   float v[ROWS][COLS + 4];
 };
 
-// Rows [row0, row0 + ROWS) of a matrix with D contiguous elements per row, rows `stride` elements
-// apart; rows >= n are zero. Needs base 16-byte aligned and stride % 8 == 0 (the host checks).
-template <int D, typename T>
+// 16-byte chunk k of row `row` (zero for row >= n) of a matrix with rows `stride` elements apart.
+template <typename T>
 __device__ __forceinline__ uint4 load_chunk(const T* base, long long stride, int row, int k, int n) {
   if (row >= n) return make_uint4(0u, 0u, 0u, 0u);
   return __ldg(reinterpret_cast<const uint4*>(base + (long long)row * stride) + k);
 }
 
+// Rows [row0, row0 + ROWS) of a matrix with D contiguous elements per row, rows `stride` elements
+// apart; rows >= n are zero. Needs base 16-byte aligned and stride % 8 == 0 (the host checks).
 template <int ROWS, int D, typename T>
 __device__ __forceinline__ void load_tile(Tile<ROWS, D>& t, const T* base, long long stride, int row0, int n) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   for (int c = threadIdx.x; c < ROWS * kChunks; c += kTileThreads) {
     const int r = c / kChunks, k = c % kChunks;
-    const uint4 x = load_chunk<D>(base, stride, row0 + r, k, n);
+    const uint4 x = load_chunk(base, stride, row0 + r, k, n);
     *reinterpret_cast<uint2*>(&t.w[r][4 * k]) = make_uint2(x.x, x.y);
     *reinterpret_cast<uint2*>(&t.w[r][4 * k + 2]) = make_uint2(x.z, x.w);
   }
 }
 
+// The same, converted to fp32.
 template <int ROWS, int D, typename T>
 __device__ __forceinline__ void load_tile(FTile<ROWS, D>& t, const T* base, long long stride, int row0, int n) {
   constexpr int kChunks = D / 8;
   for (int c = threadIdx.x; c < ROWS * kChunks; c += kTileThreads) {
     const int r = c / kChunks, k = c % kChunks;
-    const uint4 x = load_chunk<D>(base, stride, row0 + r, k, n);
+    const uint4 x = load_chunk(base, stride, row0 + r, k, n);
     const float2 a = Pair<T>::to_float2(x.x), b = Pair<T>::to_float2(x.y);
     const float2 e = Pair<T>::to_float2(x.z), f = Pair<T>::to_float2(x.w);
     *reinterpret_cast<float4*>(&t.v[r][8 * k]) = make_float4(a.x, a.y, b.x, b.y);

@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kProbeThreads) hfma2_probe_kernel(__half2* out
 // Times `blocks` x 256 threads x `iters` x 8 __hfma2 (4 FLOPs each) on the current device's legacy
 // default stream; writes the milliseconds of the timed launch (after one warm-up) to *ms. Returns the
 // cudaError_t code (0 = success).
-extern "C" int hfab_hfma2_probe(int blocks, int iters, float* ms) {
+extern "C" __attribute__((visibility("default"))) int hfab_hfma2_probe(int blocks, int iters, float* ms) {
   using hfab::exact::hfma2_probe_kernel;
   using hfab::exact::kProbeThreads;
   __half2* out = nullptr;

@@ -54,16 +54,16 @@ struct Params {
 // Tile shapes per head dim, and which tiles are staged in fp32 (FTile: no conversion per use, twice the
 // bytes), chosen so each kernel's static shared memory stays <= 48 KB (scripts/nvrtc_check.py checks).
 template <int D> struct FwdTiles {
-  static constexpr int BQ = 64, BK = D == 32 ? 64 : 32;
-  static constexpr bool kQ32 = D <= 64, kK32 = D <= 64, kV32 = D <= 64;
+  static constexpr int BQ = D <= 64 ? 64 : 32, BK = D == 32 ? 64 : 32;
+  static constexpr bool kQ32 = true, kK32 = true, kV32 = D <= 64;
 };
 template <int D> struct DqTiles {
-  static constexpr int BQ = D <= 64 ? 64 : 32, BK = 32;
-  static constexpr bool kQ32 = D == 32, kK32 = true, kV32 = D <= 64;  // kQ32: q and dO
+  static constexpr int BQ = D == 32 ? 64 : 32, BK = 32;
+  static constexpr bool kQ32 = D <= 64, kK32 = true, kV32 = D <= 64;  // kQ32: q and dO
 };
 template <int D> struct DkvTiles {
-  static constexpr int BK = D <= 64 ? 64 : 32, BQ = 32;
-  static constexpr bool kQ32 = D <= 64, kDo32 = D == 32;
+  static constexpr int BK = D == 32 ? 64 : 32, BQ = 32;
+  static constexpr bool kK32 = D <= 64, kQ32 = D <= 64, kDo32 = D <= 64;  // kK32: k and v
 };
 
 // Last key (exclusive) that any query in [q0, q0 + rows) may see.
@@ -263,7 +263,7 @@ template <typename T, int D, int BK, int BQ>
 __global__ void __launch_bounds__(kTileThreads, 2) exact_dkv_bwd_kernel(const Params p) {
   using Cfg = DkvTiles<D>;
   constexpr int TR = BK / 16, TC = BQ / 16, TD = D / 32;
-  __shared__ Tile<BK, D> ks, vs;
+  __shared__ TileOf<Cfg::kK32, BK, D> ks, vs;
   __shared__ TileOf<Cfg::kQ32, BQ, D> qs;
   __shared__ TileOf<Cfg::kDo32, BQ, D> dos;
   __shared__ ScoreTile<BK, BQ> pts, dsts;  // P^T and dS^T: rows are keys

@@ -1,4 +1,5 @@
-// CUDA impl of hfab::race_bwd (schema in hf_attention_backends/ops/race/op.py).
+// CUDA impl of hfab::race_bwd (schema in hf_attention_backends/ops/race/op.py); the kernels are launched
+// from race_bwd_{f16,bf16,f32}.cu.
 #include <torch/library.h>
 
 #include "race/race_host.cuh"
@@ -51,21 +52,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> race_bwd_cuda(
   p.dbeta_q = part_q.data_ptr<float>();
   p.dbeta_k = part_k.data_ptr<float>();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  const unsigned b = static_cast<unsigned>(batch), hq = static_cast<unsigned>(p.hq);
-  const unsigned hkv = static_cast<unsigned>(k.size(1));
-  at::Tensor kstate, kz;
-  dispatch(q, [&](auto tag, auto dim) {
-    using T = typename decltype(tag)::type;
-    constexpr int D = decltype(dim)::value;
-    key_states<T, D>(kOp, p, kstate, kz, f32, batch, q.device(), stream);
-    launch(kOp, race_dq_bwd_kernel<T, D>, dim3(p.nqt, hq, b), Layout::dq(p.lp, D), p, q.device(), stream);
-    launch(kOp, race_state_fwd_kernel<T, D, true>, dim3(p.nqt, hq, b), Layout::state(p.lp), p, q.device(), stream);
-    const int elems = p.features * D + p.features;
-    race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), hq, b), kThreads, 0, stream>>>(
-        p.qstate, p.qz, p.nqt, p.features * D, p.features, p.hq, 1);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    launch(kOp, race_dkv_bwd_kernel<T, D>, dim3(p.nkc, hkv, b), Layout::dkv(p.lp, D), p, q.device(), stream);
-  });
+  if (q.scalar_type() == at::kHalf) backward_kernels<__half>(kOp, p, batch, k.size(1), q.size(3), q.device(), stream);
+  else if (q.scalar_type() == at::kBFloat16)
+    backward_kernels<__nv_bfloat16>(kOp, p, batch, k.size(1), q.size(3), q.device(), stream);
+  else backward_kernels<float>(kOp, p, batch, k.size(1), q.size(3), q.device(), stream);
   race_dbeta_bwd_kernel<<<1, kThreads, 0, stream>>>(p.dbeta_q, p.dbeta_k, static_cast<int>(batch), p.hq, p.nqt,
                                                      p.nkc, dbeta_h.data_ptr<float>(), dbeta_total.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

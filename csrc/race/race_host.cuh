@@ -178,5 +178,12 @@ void key_states(const char* op, Params& p, at::Tensor& kstate, at::Tensor& kz, c
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The backward's launches for element type T (race_bwd_launch.cuh), compiled in one .cu file per T
+// (race_bwd_{f16,bf16,f32}.cu) so that the heavy kernels build in parallel. `p` holds every buffer
+// but the key states, which this allocates.
+template <typename T>
+void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int64_t head_dim,
+                      const c10::Device& device, cudaStream_t stream);
+
 }  // namespace race
 }  // namespace hfab

@@ -299,3 +299,10 @@ def test_scale_argument_is_used():
     q, k, v = make_inputs(1, 2, 2, 65, 65, 64)
     for scale in (0.01, 0.125, 1.0 / math.sqrt(7.0), 2.0):
         check_against_oracle(q, k, v, causal=True, scale=scale, grads=False)
+
+
+def test_packed_half_fma_probe_reports_a_rate():
+    from benchmarks.bench_exact import packed_half_fma_tflops
+    rate = packed_half_fma_tflops(blocks_per_sm=2, iters=512)
+    peak = torch.cuda.get_device_properties(0).multi_processor_count * 2.5e9 * 256 * 4 / 1e12  # > any GPU's rate
+    assert 0.1 < rate < peak, f"packed-half FMA rate {rate:.2f} TFLOP/s outside (0.1, {peak:.0f})"

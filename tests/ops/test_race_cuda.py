@@ -7,6 +7,10 @@ another order, so it gets a floor relative to its size (FP32_SUM_FLOOR). Outputs
 NaN-poisoned memory so an element a kernel forgets to write fails the test.
 """
 import itertools
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -369,3 +373,28 @@ def test_compile_fullgraph(backend):
     assert torch.equal(out, eager)
     for got, t in zip(grads, (q, k, v, beta)):
         assert torch.equal(got, t.grad)
+
+
+SANITIZER = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+SANITIZED_RUN = """
+import torch, hf_attention_backends as hfab
+g = torch.Generator(device="cuda").manual_seed(0)
+q = torch.randn(2, 2, 70, 32, device="cuda", generator=g).half()
+k, v = (torch.randn(2, 1, 100, 32, device="cuda", generator=g).half() for _ in range(2))
+planes, beta = hfab.make_planes(3, 2, 32).cuda(), torch.full((2,), 0.3, device="cuda")
+mask = torch.arange(100, device="cuda")[None, :] < torch.tensor([[100], [37]], device="cuda")
+for causal in (False, True):
+    out = torch.ops.hfab.race_fwd(q, k, v, planes, beta, mask, causal)
+    grads = torch.ops.hfab.race_bwd(torch.randn_like(out), q, k, v, planes, beta, mask, causal)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_clean(tool):
+    if not os.path.exists(SANITIZER):
+        pytest.skip(f"compute-sanitizer not found (PATH, {SANITIZER})")
+    res = subprocess.run([SANITIZER, "--tool", tool, "--error-exitcode", "1", sys.executable, "-c", SANITIZED_RUN],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]

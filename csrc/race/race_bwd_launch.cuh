@@ -1,0 +1,35 @@
+// Definition of race::backward_kernels<T>, explicitly instantiated by race_bwd_{f16,bf16,f32}.cu.
+#pragma once
+
+#include "race/race_host.cuh"
+
+namespace hfab {
+namespace race {
+
+template <typename T>
+void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int64_t head_dim,
+                      const c10::Device& device, cudaStream_t stream) {
+  auto run = [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    const auto f32 = at::TensorOptions().device(device).dtype(at::kFloat);
+    const unsigned b = static_cast<unsigned>(batch), hq = static_cast<unsigned>(p.hq);
+    at::Tensor kstate, kz;
+    key_states<T, D>(op, p, kstate, kz, f32, batch, device, stream);
+    launch(op, race_dq_bwd_kernel<T, D>, dim3(p.nqt, hq, b), Layout::dq(p.lp, D), p, device, stream);
+    launch(op, race_state_fwd_kernel<T, D, true>, dim3(p.nqt, hq, b), Layout::state(p.lp), p, device, stream);
+    const int elems = p.features * D + p.features;
+    race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), hq, b), kThreads, 0, stream>>>(
+        p.qstate, p.qz, p.nqt, p.features * D, p.features, p.hq, 1);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(op, race_dkv_bwd_kernel<T, D>, dim3(p.nkc, static_cast<unsigned>(hkv), b), Layout::dkv(p.lp, D), p,
+           device, stream);
+  };  // kstate, kz live until the last kernel is queued; the caching allocator orders their reuse on `stream`
+  switch (head_dim) {
+    case 32: return run(std::integral_constant<int, 32>{});
+    case 64: return run(std::integral_constant<int, 64>{});
+    default: return run(std::integral_constant<int, 128>{});  // prepare() allowed only 32, 64, 128
+  }
+}
+
+}  // namespace race
+}  // namespace hfab
