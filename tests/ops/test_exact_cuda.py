@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hf_attention_backends as hfab
+from benchmarks.bench_exact import packed_half_fma_tflops
 from hf_attention_backends import _ext
 from hf_attention_backends.ops.exact import reference
 from tests.inputs import make_padding
@@ -302,7 +303,6 @@ def test_scale_argument_is_used():
 
 
 def test_packed_half_fma_probe_reports_a_rate():
-    from benchmarks.bench_exact import packed_half_fma_tflops
     rate = packed_half_fma_tflops(blocks_per_sm=2, iters=512)
     peak = torch.cuda.get_device_properties(0).multi_processor_count * 2.5e9 * 256 * 4 / 1e12  # > any GPU's rate
     assert 0.1 < rate < peak, f"packed-half FMA rate {rate:.2f} TFLOP/s outside (0.1, {peak:.0f})"
