@@ -110,8 +110,9 @@ setup(
     version="0.1.0",
     description="Fast Nyström, Stieltjes, RACE and exact attention kernels behind transformers' AttentionInterface",
     packages=find_packages(include=["hf_attention_backends", "hf_attention_backends.*"])
-    + ["hf_attention_backends.integrations"],
-    package_dir={"hf_attention_backends.integrations": "integrations"},
+    + ["hf_attention_backends.integrations", "hf_attention_backends.model_tests"],
+    package_dir={"hf_attention_backends.integrations": "integrations",
+                 "hf_attention_backends.model_tests": "model_tests"},
     package_data={"hf_attention_backends.integrations": ["*.yaml"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "transformers>=5.0", "safetensors", "tqdm", "pyyaml", "numpy"],

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -95,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--json", metavar="PATH|-", help="also write the results as JSON to PATH (- = stdout only)")
     verify.add_argument("--report", metavar="DIR",
                         help="also run the model_tests checks (per-layer parity, behaviour, knob and length sweeps, "
-                             "exact gates) on news articles of --seq-len tokens and write report.md, report.json "
-                             "and PNG plots into DIR")
+                             "exact gates) on --num-texts (default 4) news articles of --seq-len tokens and write "
+                             "report.md, report.json and PNG plots into DIR")
     verify.set_defaults(func=run_verify)
 
     info = sub.add_parser("info", help="versions, CUDA extension, ops with CUDA kernels")
@@ -293,13 +291,8 @@ def run_verify(args) -> int:
 
 def _write_report(args, model, tokenizer, backends: list, configs: dict, verified: dict) -> None:
     """``--report DIR``: model_tests.report on the loaded model; ``verified`` goes into report.json as "verify"."""
-    root = Path(__file__).resolve().parents[1]
-    if importlib.util.find_spec("model_tests") is None and (root / "model_tests" / "report.py").is_file():
-        sys.path.insert(0, str(root))  # a source checkout (editable install): model_tests sits next to the package
-    try:
-        from model_tests import report as model_report
-    except ModuleNotFoundError as err:
-        raise CliError(f"--report needs the model_tests package of the source checkout ({err})") from err
+    from .model_tests import report as model_report  # the repo's model_tests/, installed under this name
+
     num_texts = 4 if args.num_texts is None else args.num_texts
     print(f"hfab: writing the verification report into {args.report}", file=sys.stderr)
     report = model_report.build(args.model, model, tokenizer, backends, configs, num_texts=num_texts,

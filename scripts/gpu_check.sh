@@ -177,6 +177,10 @@ else
     bench_status="skipped (BENCH=none)"
 fi
 
+if [[ $BENCH != none && -s $CSV ]] && [[ $BENCH == all || $BENCH == *exact* ]]; then
+    "$PY" -m benchmarks.bench_exact "$CSV" 2>&1 | tee -a "$OUT/bench.log"
+fi
+
 section "summary"
 echo "build:      $build_status"
 echo "tests:      $test_status"

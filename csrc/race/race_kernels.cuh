@@ -140,7 +140,7 @@ __device__ void project_rows(const Params& p, const T* x, long long stride, int 
 }
 
 // phi[r][f] = phi_s(row r), s = 64 * st + f; 0 for s >= S and rows with ok = 0.
-__device__ void build_phi(const Params& p, int st, const int* ok, const float* sp, const float* sm, float* phi) {
+__device__ inline void build_phi(const Params& p, int st, const int* ok, const float* sp, const float* sm, float* phi) {
   const int P = p.planes_per_table;
   for (int e = threadIdx.x; e < kRows * kFeat; e += kThreads) {
     const int r = e / kFeat, f = e % kFeat, s = st * kFeat + f;
@@ -196,7 +196,7 @@ __device__ __forceinline__ void state_apply(float (&num)[4][D / 16], float (&den
 
 // w[r][l*P + t] for the tables inside S-tile st, from g = dphi * phi (tile layout):
 // w = sm * sum_{bit t of r set} g - sp * sum_{bit clear} g   (d u_{l,t} = 2 beta w, d beta += 2 u w)
-__device__ void table_grads(const Params& p, int st, const float* g, const float* sp, const float* sm, float* w) {
+__device__ inline void table_grads(const Params& p, int st, const float* g, const float* sp, const float* sm, float* w) {
   const int P = p.planes_per_table, R = 1 << P;
   const int l0 = st * kFeat / R, l1 = min(p.tables, (st + 1) * kFeat / R), per_row = (l1 - l0) * P;
   for (int e = threadIdx.x; e < kRows * per_row; e += kThreads) {
@@ -318,17 +318,31 @@ static __global__ void __launch_bounds__(kThreads) race_scan_fwd_kernel(float* s
   const bool is_state = e < sd;
   float* base = is_state ? state + bh * (n + 1) * sd + e : z + bh * (n + 1) * features + (e - sd);
   const long long step = is_state ? sd : features;
+  constexpr int kBatch = 8;  // slots are read 8 at a time before any of them is written: the loads overlap
   float run = 0.f;
   if (!reverse) {
-    for (int k = 0; k <= n; ++k) {
-      const float x = k < n ? base[k * step] : 0.f;
-      base[k * step] = run;
-      run += x;
+    for (int k0 = 0; k0 <= n; k0 += kBatch) {
+      float x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) x[u] = k0 + u < n ? base[(k0 + u) * step] : 0.f;
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        if (k0 + u <= n) {
+          base[(k0 + u) * step] = run;
+          run += x[u];
+        }
     }
   } else {
-    for (int m = n - 1; m >= -1; --m) {
-      base[(m + 1) * step] = run;
-      if (m >= 0) run += base[m * step];
+    for (int top = n - 1; top >= -1; top -= kBatch) {  // m = top - u: slot m + 1 <- run, then run += input m
+      float x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) x[u] = top - u >= 0 ? base[(top - u) * step] : 0.f;
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        if (top - u >= -1) {
+          base[(top - u + 1) * step] = run;
+          run += x[u];
+        }
     }
   }
 }
