@@ -75,7 +75,7 @@ for schema in filter(None, schemas):
     if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA"):
         with_kernel.append(qualname)
 print("CUDA kernels registered for:", ", ".join(with_kernel) or "none")
-missing = {"hfab::exact_fwd", "hfab::exact_bwd"} - set(with_kernel)
+missing = {"hfab::exact_fwd", "hfab::exact_bwd", "hfab::race_fwd", "hfab::race_bwd"} - set(with_kernel)
 sys.exit(f"compile_check: no CUDA kernel registered for {sorted(missing)}" if missing else 0)
 PYEOF
 
