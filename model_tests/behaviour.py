@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from typing import Optional
 
@@ -150,10 +149,7 @@ def main(argv: Optional[list] = None) -> int:
     result = {"softmax": run_behaviour(model, sequences, tokenizer.pad_token_id, tol=args.tol)}
     for name in backends:
         result[name] = run_behaviour(model, sequences, tokenizer.pad_token_id, name, tol=args.tol)
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    common.emit_json(result, args.json)
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 from typing import Optional
 
@@ -112,3 +113,12 @@ def setup_from_args(args):
     backends = parse_backends(args.backend, args.model)
     inputs = text_batch(tokenizer, args.num_texts, args.seq_len, device=args.device)
     return model, tokenizer, dict(inputs), spec.causal, backends
+
+
+def emit_json(result: dict, path, *, echo: bool = True) -> None:
+    """Print ``result`` as JSON (unless ``echo`` is False) and also write it to ``path`` when given."""
+    if echo:
+        print(json.dumps(result, indent=2))
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)

@@ -11,7 +11,6 @@ saw under softmax and errors do not compound: the numbers of layer i are that la
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Optional
 
@@ -95,9 +94,7 @@ def main(argv: Optional[list] = None) -> int:
     for name in backends:
         result[name] = layer_parity(model, inputs, name)
         print(f"{args.model} / {name}\n{format_table(result[name])}\n")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    common.emit_json(result, args.json, echo=False)
     return 0
 
 

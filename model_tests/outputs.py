@@ -9,7 +9,6 @@ See :func:`model_tests.common.parity` and :func:`model_tests.metrics.envelope_ga
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Optional
 
@@ -59,10 +58,7 @@ def main(argv: Optional[list] = None) -> int:
     result = {name: output_parity(model, inputs, name, ref=ref) for name in backends}
     if "exact" in backends:
         result["exact_gates"] = exact_gates(model, inputs)
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    common.emit_json(result, args.json)
     return 0
 
 

@@ -8,7 +8,6 @@ from the backend's defaults) against its softmax output on the same batch.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Optional
 
@@ -72,10 +71,7 @@ def main(argv: Optional[list] = None) -> int:
     result = {name: {"knobs": sweep_knobs(model, inputs, name),
                      "length": sweep_length(model, tokenizer, name, args.lengths, args.num_texts)}
               for name in backends}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
+    common.emit_json(result, args.json)
     return 0
 
 
