@@ -88,6 +88,12 @@ def repeat_kv(x: Tensor, num_q_heads: int) -> Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
+def sum_kv_groups(grad: Tensor, num_kv_heads: int) -> Tensor:
+    """(B, Hq, N, D) -> (B, Hkv, N, D): sum the gradients of the query heads sharing a kv head."""
+    b, hq, n, d = grad.shape
+    return grad.view(b, num_kv_heads, hq // num_kv_heads, n, d).sum(dim=2)
+
+
 def allowed_keys(n_q: int, n_k: int, *, causal: bool, key_padding_mask: Optional[Tensor],
                  batch: int, device) -> Tensor:
     """(B, 1, Nq, Nk) bool: may query i attend to key j.

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._common import allowed_keys, compute_dtype, repeat_kv
+from .._common import allowed_keys, compute_dtype, repeat_kv, sum_kv_groups
 
 
 def _masked_scores(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], causal: bool, scale: float):
@@ -33,12 +33,6 @@ def exact_forward(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Te
     return out.to(q.dtype), lse
 
 
-def _sum_groups(grad: Tensor, num_kv_heads: int) -> Tensor:
-    """(B, Hq, N, D) -> (B, Hkv, N, D): sum the gradients of the query heads sharing a kv head."""
-    b, hq, n, d = grad.shape
-    return grad.view(b, num_kv_heads, hq // num_kv_heads, n, d).sum(dim=2)
-
-
 def exact_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    key_padding_mask: Optional[Tensor], causal: bool, scale: float):
     """FlashAttention-2 backward from the saved log-sum-exp: dS = P * (dP - rowsum(dO * O))."""
@@ -55,4 +49,4 @@ def exact_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     dk = torch.matmul(ds.transpose(-1, -2), q.to(ct)) * scale
     dv = torch.matmul(p.transpose(-1, -2), do)
     hkv = k.shape[1]
-    return dq.to(q.dtype), _sum_groups(dk, hkv).to(k.dtype), _sum_groups(dv, hkv).to(v.dtype)
+    return dq.to(q.dtype), sum_kv_groups(dk, hkv).to(k.dtype), sum_kv_groups(dv, hkv).to(v.dtype)

@@ -17,8 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from .._common import allowed_keys, compute_dtype, repeat_kv, zero_empty_rows
-from ..exact.reference import _sum_groups
+from .._common import allowed_keys, compute_dtype, repeat_kv, sum_kv_groups, zero_empty_rows
 
 _CHUNK_ELEMENTS = 1 << 25
 
@@ -124,4 +123,4 @@ def stieltjes_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, rowmax: Te
         dq[:, :, rows] = torch.matmul(ds, kf) * scale
         dk += torch.matmul(ds.transpose(-1, -2), qf[:, :, rows]) * scale
         dv += torch.matmul((p / p.sum(dim=-1, keepdim=True)).transpose(-1, -2), do_c)
-    return dq.to(q.dtype), _sum_groups(dk, hkv).to(k.dtype), _sum_groups(dv, hkv).to(v.dtype)
+    return dq.to(q.dtype), sum_kv_groups(dk, hkv).to(k.dtype), sum_kv_groups(dv, hkv).to(v.dtype)
