@@ -62,6 +62,25 @@ def _abi_flag():
     return f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
 
 
+def _check_cxx_links_libstdcxx_dynamically():
+    """A g++ without libstdc++.so links a private static copy into _C.so; with torch's shared libstdc++ in the
+    same process its stream and locale code then crashes (seen on the first TORCH_CHECK message)."""
+    import shlex
+    import subprocess
+    import sysconfig
+    cxx = os.environ.get("CXX") or (sysconfig.get_config_var("CXX") or "c++")
+    cxx = shlex.split(cxx)[0]
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return
+    if os.sep not in found:
+        raise RuntimeError(f"the C++ compiler CXX={cxx} has no libstdc++.so and would link libstdc++ statically "
+                           "into hf_attention_backends._C, which crashes next to torch's shared libstdc++; set CXX "
+                           "(and CC) to a compiler that links it dynamically, e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc")
+
+
 def _extensions():
     if not _want_cuda():
         return [], {}
@@ -71,6 +90,7 @@ def _extensions():
         """Compiles the sources in groups that share a CUDA target list (per-file -gencode flags)."""
 
         def build_extension(self, ext):
+            _check_cxx_links_libstdcxx_dynamically()
             compile_all = self.compiler.compile
 
             def compile_by_arch(sources, *args, extra_postargs=None, **kwargs):

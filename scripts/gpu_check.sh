@@ -91,6 +91,11 @@ if [[ $BUILD == auto ]]; then
     if [[ -n $(find csrc -name '*.cu' 2>/dev/null | head -n 1) ]]; then BUILD=1; else BUILD=0; fi
 fi
 if [[ $BUILD == 1 ]]; then
+    cxx=${CXX:-c++}
+    if [[ $("$cxx" -print-file-name=libstdc++.so 2>/dev/null) != */* ]] && [[ -x /usr/bin/g++ ]]; then
+        echo "$cxx has no libstdc++.so (it would link a static copy into _C.so): building with /usr/bin/g++"
+        export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+    fi
     t=$(cap "$BUILD_BUDGET_S" $(( $(left) - BENCH_RESERVE_S - 60 )))
     if (( t < 30 )); then
         build_status="skipped (only ${t}s left)"
