@@ -14,21 +14,14 @@ from benchmarks.bench_exact import packed_half_fma_tflops
 from hf_attention_backends import _ext
 from hf_attention_backends.ops.exact import reference
 from tests.inputs import make_padding
+from tests.ops.cuda_helpers import DEV, make_inputs, poison, replay_in_cuda_graph, strided_mask, strided_views
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
 
-DEV = "cuda"
 NS = [1, 7, 63, 64, 65, 333, 2049]
 GRAD_FLOOR = 1e-5  # fp32 residue of dP - delta where the exact gradient is 0 (e.g. one visible key)
 
-
-def make_inputs(b, hq, hkv, nq, nk, d, *, dtype=torch.float16, scale=1.0, seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(b, hq, nq, d, device=DEV, generator=g) * scale
-    k = torch.randn(b, hkv, nk, d, device=DEV, generator=g) * scale
-    v = torch.randn(b, hkv, nk, d, device=DEV, generator=g)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 def oracle(q, k, v, *, causal, scale, mask):
@@ -53,11 +46,6 @@ def oracle(q, k, v, *, causal, scale, mask):
     lse = torch.where(z > 0, torch.log(z) + m, torch.full_like(z, float("-inf"))).squeeze(-1)
     return out, lse
 
-
-def poison(*likes):
-    """Leave NaN-filled blocks of these sizes in the CUDA caching allocator for the next outputs to reuse."""
-    blocks = [torch.full_like(t, float("nan")) for t in likes]
-    del blocks
 
 
 def lse_like(q):
@@ -192,23 +180,6 @@ def test_inputs_on_other_devices_raise():
         torch.ops.hfab.exact_fwd(q, k, v.cpu(), None, False, 0.1)
 
 
-def _views(q, k, v):
-    """Same values, other layouts: (B, N, H, D) transposed, inside a wider last dim, misaligned offset."""
-    def transposed(t):
-        return t.transpose(1, 2).contiguous().transpose(1, 2)
-
-    def strided(t):
-        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
-        wide[..., ::2] = t
-        return wide[..., ::2]
-
-    def offset(t):
-        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype, device=t.device)
-        wide[..., 1:] = t
-        return wide[..., 1:]
-
-    return [tuple(f(t) for t in (q, k, v)) for f in (transposed, strided, offset)]
-
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_non_contiguous_inputs_equal_contiguous(causal):
@@ -216,9 +187,9 @@ def test_non_contiguous_inputs_equal_contiguous(causal):
     mask = make_padding(2, 65, seed=3).to(DEV)
     dout = torch.randn_like(q)
     out, lse, grads = run_kernel(q, k, v, dout, causal=causal, scale=0.125, mask=mask)
-    for qv, kv, vv in _views(q, k, v):
+    for qv, kv, vv in strided_views(q, k, v):
         assert not qv.is_contiguous()
-        mask_v = torch.stack([mask, ~mask], dim=-1)[..., 0]  # stride 2 along Nk
+        mask_v = strided_mask(mask)
         dout_v = dout.transpose(1, 2).contiguous().transpose(1, 2)
         out_v, lse_v, grads_v = run_kernel(qv, kv, vv, dout_v, causal=causal, scale=0.125, mask=mask_v)
         assert torch.equal(out_v, out) and torch.equal(lse_v, lse)
@@ -249,18 +220,7 @@ def test_public_function_autograd():
 def test_launches_on_the_current_stream_and_in_cuda_graphs():
     q, k, v = make_inputs(2, 4, 2, 333, 333, 64)
     expected = torch.ops.hfab.exact_fwd(q, k, v, None, True, 0.125)[0]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # warm-up on the side stream, as CUDA graph capture requires
-            torch.ops.hfab.exact_fwd(q, k, v, None, True, 0.125)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = torch.ops.hfab.exact_fwd(q, k, v, None, True, 0.125)[0]
-    captured.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    captured = replay_in_cuda_graph(lambda: torch.ops.hfab.exact_fwd(q, k, v, None, True, 0.125)[0])
     assert torch.equal(captured, expected)
 
 

@@ -1,0 +1,61 @@
+"""Helpers shared by the GPU tests of the kernels (tests/ops/test_*_cuda.py)."""
+import torch
+
+DEV = "cuda"
+
+
+def make_inputs(b, hq, hkv, nq, nk, d, *, dtype=torch.float16, scale=1.0, seed=0):
+    """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) on the GPU, N(0, 1) x scale for q and k, N(0, 1) v."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, device=DEV, generator=g) * scale
+    k = torch.randn(b, hkv, nk, d, device=DEV, generator=g) * scale
+    v = torch.randn(b, hkv, nk, d, device=DEV, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def poison(*likes):
+    """Leave NaN-filled blocks of these sizes in the CUDA caching allocator for the next outputs to reuse."""
+    blocks = [torch.full_like(t, float("nan")) for t in likes]
+    del blocks
+
+
+def strided_views(*tensors):
+    """Same values, other layouts: (B, N, H, D) transposed, inside a wider last dim, misaligned offset.
+
+    Returns one tuple of views per layout."""
+    def transposed(t):
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    def strided(t):
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+
+    def offset(t):
+        wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype, device=t.device)
+        wide[..., 1:] = t
+        return wide[..., 1:]
+
+    return [tuple(f(t) for t in tensors) for f in (transposed, strided, offset)]
+
+
+def strided_mask(mask):
+    """The same (B, N) bool mask read with stride 2 along N."""
+    return torch.stack([mask, ~mask], dim=-1)[..., 0]
+
+
+def replay_in_cuda_graph(fn):
+    """fn() warmed up on a side stream, captured in a CUDA graph, output NaN-filled, replayed: returns it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return captured
