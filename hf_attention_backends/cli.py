@@ -283,10 +283,36 @@ def run_verify(args) -> int:
                   "seq_len": args.seq_len if spec.causal else None},
         "baseline": baseline, "results": results, "versions": _versions(),
     }
-    _emit(report, _verify_table(report), args.json)
+    if "exact" in backends:
+        report["exact_gates"] = _exact_gates(model, batch)
+    _emit(report, _verify_table(report) + _gates_table(report.get("exact_gates")), args.json)
     if args.report:
         _write_report(args, model, tokenizer, backends, configs, report)
+    if "exact_gates" in report and not report["exact_gates"]["passed"]:
+        print("hfab verify: the exact backend failed a gate (table above)", file=sys.stderr)
+        return 1
     return 0
+
+
+def _exact_gates(model, batch) -> dict:
+    """The exact backend's envelope gates: eager, sdpa and exact on the same batch (model_tests.metrics)."""
+    from .model_tests import outputs
+
+    return outputs.exact_gates(model, dict(batch))
+
+
+def _gates_table(gates: Optional[dict]) -> str:
+    if gates is None:
+        return ""
+    env = gates["envelope"]
+    lines = ["", f"exact vs eager, gates from the sdpa-vs-eager envelope (mean|Δ| {env['mean_abs']:.3e}, "
+                 f"p99.99|Δ| {env['p9999_abs']:.3e}):"]
+    for name, gate in gates.items():
+        if isinstance(gate, dict) and "limit" in gate:
+            bound = ">=" if name == "top1_accuracy" else "<="
+            verdict = "pass" if gate["passed"] else "FAIL"
+            lines.append(f"  {name:<14} {gate['value']:.4e} {bound} {gate['limit']:.4e}  {verdict}")
+    return "\n".join(lines)
 
 
 def _write_report(args, model, tokenizer, backends: list, configs: dict, verified: dict) -> None:

@@ -27,8 +27,10 @@ def _run(capsys, *argv):
 
 
 def _check_common_schema(report, model, compared):
-    assert set(report) == {"command", "model", "model_path", "device", "dtype", "compared", "texts", "baseline",
-                           "results", "versions"}
+    keys = {"command", "model", "model_path", "device", "dtype", "compared", "texts", "baseline", "results",
+            "versions"}
+    with_exact = any(r["backend"] == "exact" for r in report["results"])
+    assert set(report) == keys | ({"exact_gates"} if with_exact else set())
     assert (report["command"], report["model"], report["compared"]) == ("verify", model, compared)
     assert report["device"] == "cpu" and report["dtype"] == "float32"
     assert Path(report["model_path"], "config.json").is_file()
@@ -74,6 +76,10 @@ def test_verify_table_on_stdout_json_on_stdout_with_dash(capsys):
     report = json.loads(out)  # stdout holds nothing but the JSON
     assert [r["backend"] for r in report["results"]] == ["exact"]
     assert "eager (baseline)" in err and "exact" in err and "cos mean" in err
+    gates = report["exact_gates"]  # exact vs eager within the sdpa-vs-eager envelope
+    assert set(gates) == {"mean_abs", "p9999_abs", "passed", "envelope"} and gates["passed"]
+    assert 0 < gates["mean_abs"]["value"] <= gates["mean_abs"]["limit"]
+    assert "sdpa-vs-eager envelope" in err and "FAIL" not in err
 
 
 def test_verify_knobs_reach_the_backend(capsys):
