@@ -5,6 +5,7 @@ functions with transformers' AttentionInterface / AttentionMaskInterface.
 """
 from .ops import exact_attention, make_planes, nystrom_attention, race_attention, stieltjes_attention
 from .backends import disable_backend, enable_backend
+from .backends.race_cache import RaceCache, race_cache
 from .convert import convert, from_pretrained
 from . import nn
 
@@ -12,5 +13,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "nystrom_attention", "stieltjes_attention", "race_attention", "exact_attention", "make_planes",
-    "enable_backend", "disable_backend", "convert", "from_pretrained", "nn", "__version__",
+    "enable_backend", "disable_backend", "race_cache", "RaceCache", "convert", "from_pretrained", "nn", "__version__",
 ]

@@ -4,11 +4,15 @@ Registered at import as ``hfab_nystrom``, ``hfab_stieltjes``, ``hfab_race``, ``h
 function and mask function, :mod:`.masks`). Per module, in this order:
 
 1. ``module.hfab_backend`` set (by :func:`~.enable.enable_backend` or convert): that backend with
-   ``module.hfab_config`` and the module's ``hfab_beta`` / ``hfab_planes`` / ``hfab_conv_weight`` if any;
+   ``module.hfab_config`` and the module's ``hfab_beta`` / ``hfab_planes`` / ``hfab_conv_weight`` /
+   ``hfab_temperature`` (Stieltjes: the query of head h is multiplied by ``hfab_temperature[h]``) if any;
 2. ``module.hfab_left_out`` True (a layer left out of a hybrid plan): transformers' own sdpa function,
    with the mask it needs (:func:`.masks.sdpa_mask_for`);
 3. neither (``from_pretrained(..., attn_implementation="hfab_race")`` without enable_backend): the
    implementation's own backend with its default config.
+
+A RACE call whose ``key`` is the hand-off of a :class:`~.race_cache.RaceCache` layer (``past_key_values=
+race_cache(model)``) reads and updates that layer's decode state instead (:func:`.race_cache.attend`).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..ops import exact_attention, make_planes, nystrom_attention, race_attention, stieltjes_attention
 from .config import CONFIGS, make_config
+from . import race_cache
 from .masks import hfab_mask, key_padding_from_mask, sdpa_mask_for
 
 try:  # transformers 5.x records attentions with hooks; output_attentions never reaches the attention function
@@ -127,19 +132,27 @@ def _planes(module, config, head_dim: int, device, dtype) -> Tensor:
     return _PLANES[key]
 
 
+def race_parameters(module, config, query: Tensor):
+    """(planes, beta) of a RACE module: ``hfab_planes`` / ``hfab_beta`` when present, else the defaults."""
+    beta = getattr(module, "hfab_beta", None)
+    if beta is None:
+        beta = config.beta if config.beta is not None else query.shape[-1] ** -0.5
+    return _planes(module, config, query.shape[-1], query.device, query.dtype), beta
+
+
 def run_backend(backend: str, config, module, query: Tensor, key: Tensor, value: Tensor,
                 key_padding_mask: Optional[Tensor], causal: bool, scaling: Optional[float]) -> Tensor:
     """Call the backend's public op; returns (B, Hq, Nq, D)."""
     if backend == "exact":
         return exact_attention(query, key, value, causal=causal, scale=scaling, key_padding_mask=key_padding_mask)
     if backend == "stieltjes":
+        temperature = getattr(module, "hfab_temperature", None)  # (Hq,): scales each head's scores
+        if temperature is not None:
+            query = query * temperature.to(query.dtype).view(1, -1, 1, 1)
         return stieltjes_attention(query, key, value, order=config.order, newton_iter=config.newton_iter,
                                    causal=causal, scale=scaling, key_padding_mask=key_padding_mask)
     if backend == "race":
-        beta = getattr(module, "hfab_beta", None)
-        if beta is None:
-            beta = config.beta if config.beta is not None else query.shape[-1] ** -0.5
-        planes = _planes(module, config, query.shape[-1], query.device, query.dtype)
+        planes, beta = race_parameters(module, config, query)
         return race_attention(query, key, value, planes=planes, beta=beta, causal=causal,
                               key_padding_mask=key_padding_mask)
     if backend == "nystrom":
@@ -170,9 +183,18 @@ def _make_attention(default_backend: str):
         what = f"{name} ({type(module).__name__}, backend {backend!r})"
         causal = module_causal(module, kwargs)
         check_call(what, backend, module, query, key, dropout, causal, kwargs)
+        state = race_cache.pending_layer(key) if backend == "race" else None  # a RaceCache layer's new keys
+        if state is not None:
+            attention_mask = race_cache.new_key_mask(state, attention_mask, key, what)
         key_padding_mask = key_padding_from_mask(attention_mask, query, key, what=what)
         check_not_packed(what, kwargs.get("position_ids"), key_padding_mask, query.shape[2])
-        out = run_backend(backend, config, module, query, key, value, key_padding_mask, causal, scaling)
+        if state is None:
+            out = run_backend(backend, config, module, query, key, value, key_padding_mask, causal, scaling)
+        else:
+            planes, beta = race_parameters(module, config, query)
+            out = race_cache.attend(state, query, key, value, planes=planes, beta=beta,
+                                    key_padding_mask=key_padding_mask, causal=causal,
+                                    sliding_window=kwargs.get("sliding_window"), what=what)
         return out.transpose(1, 2).contiguous(), None
 
     attention.__name__ = attention.__qualname__ = f"{name}_attention"
