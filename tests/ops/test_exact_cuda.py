@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_attention_backends as hfab
-from benchmarks.bench_exact import packed_half_fma_tflops
+from benchmarks.bench_exact import fp32_fma_tflops, packed_half_fma_tflops
 from hf_attention_backends import _ext
 from hf_attention_backends.ops.exact import reference
 from tests.inputs import make_padding
@@ -262,7 +262,8 @@ def test_scale_argument_is_used():
         check_against_oracle(q, k, v, causal=True, scale=scale, grads=False)
 
 
-def test_packed_half_fma_probe_reports_a_rate():
-    rate = packed_half_fma_tflops(blocks_per_sm=2, iters=512)
-    peak = torch.cuda.get_device_properties(0).multi_processor_count * 2.5e9 * 256 * 4 / 1e12  # > any GPU's rate
-    assert 0.1 < rate < peak, f"packed-half FMA rate {rate:.2f} TFLOP/s outside (0.1, {peak:.0f})"
+@pytest.mark.parametrize("probe, flops_per_lane_clock", [(packed_half_fma_tflops, 4), (fp32_fma_tflops, 2)])
+def test_fma_probes_report_a_rate(probe, flops_per_lane_clock):
+    rate = probe(blocks_per_sm=2, iters=64)
+    peak = torch.cuda.get_device_properties(0).multi_processor_count * 2.5e9 * 128 * flops_per_lane_clock / 1e12
+    assert 0.1 < rate < peak, f"{probe.__name__}: {rate:.2f} TFLOP/s outside (0.1, {peak:.0f})"
