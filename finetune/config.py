@@ -5,11 +5,12 @@ out-of-range value raises :class:`ConfigError` naming ``section.key``, the value
 The ``convert`` options are checked by the backend's own config (``backends/config.py``).
 
 ```yaml
-output_dir: runs/name          # checkpoints, log.jsonl, summary.json
+output_dir: runs/name          # checkpoints/, log.csv, log.jsonl, curves.png, summary.json
 seed: 0
 model:     {name: smollm2 | minilm | tiny_llama | tiny_bert | /local/folder, dtype: float32 | bfloat16}
 convert:   {backend: race, layers: null, options: {num_planes: 4, per_head_beta: true}}
-calibrate: {enabled: true, batches: 2, race_betas: null, stieltjes_orders: null, steps: 0, lr: 0.01}
+calibrate: {enabled: true, batches: 2, race_betas: null, stieltjes_orders: null, stieltjes_temperatures: null,
+            steps: 0, lr: 0.01}
 data:      {source: news | file.jsonl | file.txt | folder, documents: 256, eval_documents: 16, min_chars: 0,
             text_field: text, seq_len: 256, batch_size: 8, eval_batch_size: 8}
 transfer:  {steps: 100, lr: 0.01, train: []}        # train: extra parameter-name substrings, e.g. [q_proj]
@@ -17,7 +18,8 @@ fine_tune: {steps: 200, lr: 1e-4, method: lora | full | none, lora_r: 8, lora_al
             lora_target_modules: [q_proj, k_proj, v_proj, o_proj], lm_weight: 1.0, kl_weight: 0.0,
             hidden_weight: 0.0, temperature: 1.0, train_hfab: true}
 train:     {grad_accum: 1, warmup_steps: 0, clip: 1.0, weight_decay: 0.0, mixed_precision: null | no | bf16 | fp16,
-            log_every: 10, eval_every: 0, eval_batches: null, gradient_checkpointing: false}
+            log_every: 10, eval_every: 0, eval_batches: null, gradient_checkpointing: false,
+            save_every: 0, keep_checkpoints: 2, tensorboard: false, plot: true}
 ```
 """
 from __future__ import annotations
@@ -58,6 +60,7 @@ class CalibrateSpec:
     batches: int = 2
     race_betas: Optional[list] = None
     stieltjes_orders: Optional[list] = None
+    stieltjes_temperatures: Optional[list] = None
     steps: int = 0
     lr: float = 1e-2
 
@@ -101,7 +104,12 @@ class FineTuneSpec:
 
 @dataclass
 class TrainSpec:
-    """Optimisation shared by both stages; ``mixed_precision`` None leaves it to the accelerate config."""
+    """Optimisation shared by both stages; ``mixed_precision`` None leaves it to the accelerate config.
+
+    ``save_every``: a resumable checkpoint every N optimizer steps of a stage and at each stage's end (0 =
+    none); ``keep_checkpoints``: how many of the newest to keep (0 = all). ``tensorboard``: also write
+    TensorBoard scalars (needs the ``tensorboard`` package); ``plot``: write ``curves.png`` at the end.
+    """
     grad_accum: int = 1
     warmup_steps: int = 0
     clip: float = 1.0
@@ -111,6 +119,10 @@ class TrainSpec:
     eval_every: int = 0
     eval_batches: Optional[int] = None
     gradient_checkpointing: bool = False
+    save_every: int = 0
+    keep_checkpoints: int = 2
+    tensorboard: bool = False
+    plot: bool = True
 
 
 @dataclass
@@ -200,12 +212,16 @@ def _check(r: Recipe) -> None:
         make_config(r.convert.backend, **r.convert.options)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"convert: {err}") from err
-    for key in ("race_betas", "stieltjes_orders"):
+    for key in ("race_betas", "stieltjes_orders", "stieltjes_temperatures"):
         grid = getattr(r.calibrate, key)
         if grid is not None and (not isinstance(grid, list) or not grid or
                                  not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
                                          for v in grid)):
             raise ConfigError(f"calibrate.{key}={grid!r} must be null or a non-empty list of positive numbers")
+    if r.calibrate.stieltjes_temperatures is not None and not (
+            r.convert.backend == "stieltjes" and r.convert.options.get("per_head_temperature")):
+        raise ConfigError("calibrate.stieltjes_temperatures needs convert.backend: stieltjes with options "
+                          "per_head_temperature: true (it searches the per-head hfab_temperature)")
     _positive("calibrate.batches", r.calibrate.batches)
     _positive("calibrate.steps", r.calibrate.steps, zero_ok=True)
     for key in ("documents", "eval_documents", "seq_len", "batch_size", "eval_batch_size"):
@@ -242,6 +258,8 @@ def _check(r: Recipe) -> None:
     _positive("train.weight_decay", t.weight_decay, zero_ok=True)
     _positive("train.log_every", t.log_every)
     _positive("train.eval_every", t.eval_every, zero_ok=True)
+    _positive("train.save_every", t.save_every, zero_ok=True)
+    _positive("train.keep_checkpoints", t.keep_checkpoints, zero_ok=True)
     if t.eval_batches is not None and (isinstance(t.eval_batches, bool) or not isinstance(t.eval_batches, int)
                                        or t.eval_batches < 1):
         raise ConfigError(f"train.eval_batches={t.eval_batches!r} must be null (all) or an int >= 1")

@@ -17,8 +17,11 @@ Steps (the recipe, ``finetune/config.py``, says which run):
    ``lm_weight`` × next-token loss + ``kl_weight`` × KL(teacher ‖ student) of the logits at temperature T
    (× T²) + ``hidden_weight`` × MSE of the last hidden state; real tokens only.
 
-Accelerate handles devices, DDP and mixed precision; gradient accumulation, warm-up + cosine schedule and
-clipping per stage. Output in ``output_dir``: ``log.jsonl`` (one JSON object per logged step / evaluation),
+Accelerate handles devices, DDP/FSDP and mixed precision; gradient accumulation, warm-up + cosine schedule and
+clipping per stage. Output in ``output_dir``: ``log.csv`` (step, stage, loss, lr, grad_norm, evaluation
+metrics, tokens/s, elapsed; ``finetune/logs.py``), ``log.jsonl`` (every event, calibration report included),
+``tensorboard/`` (``train.tensorboard``), ``curves.png`` (``train.plot``), ``checkpoints/<stage>-<step>/``
+(``train.save_every``; resume with ``--resume <folder>|latest``, ``finetune/checkpoint.py``),
 ``calibration.json``, ``transfer/`` and ``final/`` (``save_pretrained`` of the converted model, loadable with
 ``hf_attention_backends.from_pretrained``), ``probe.pt`` (the first held-out batch and the final model's
 output on it) and ``summary.json``. Evaluation on held-out rows: perplexity for causal LMs, mean-pooled
@@ -26,15 +29,20 @@ embedding cosine to the teacher for encoders; before conversion (teacher), after
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:  # `python finetune/train.py`: run it as the package's module
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from finetune.train import main
+
+    sys.exit(main())
+
 import argparse
 import json
 import math
-import sys
 import time
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: the repository root holds the finetune package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,24 +54,11 @@ from transformers import get_cosine_schedule_with_warmup
 import hf_attention_backends as hfab
 from hf_attention_backends.calibrate import TeacherForcing, calibrate, forward_kwargs
 
-from finetune.config import ConfigError, Recipe, load_recipe
-from finetune.data import RowDataset, load_documents, split_documents, tokenize_rows
-from finetune.models import load_model
-
-
-class JsonLog:
-    """Appends one JSON object per line to ``path`` (main process only) and echoes it when ``echo``."""
-
-    def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled = path, enabled
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("")
-
-    def __call__(self, **record) -> None:
-        if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+from .checkpoint import EpochSampler, check_compatible, read_state, resolve_resume, save_checkpoint
+from .config import ConfigError, Recipe, load_recipe
+from .data import RowDataset, load_documents, split_documents, tokenize_rows
+from .logs import RunLog, plot_curves, stage_rank, tensorboard_writer_class
+from .models import load_model
 
 
 def masked_mean(values, mask):
@@ -147,85 +142,147 @@ def trainable(model, names=()) -> list:
 
 
 def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: int, lr: float, recipe: Recipe,
-              log, evaluate_fn) -> tuple[object, list[float]]:
+              log: Optional[RunLog], evaluate_fn, *, save: Optional[Callable[[dict], None]] = None,
+              resume: Optional[tuple[Path, dict]] = None) -> tuple[object, list[float]]:
     """``steps`` optimizer steps of AdamW on ``params`` minimising ``loss_fn(wrapped_model, batch)``.
 
-    Warm-up + cosine schedule, clipping at ``train.clip`` (0 = none), ``train.grad_accum`` micro-batches per
-    step; logs every ``train.log_every`` steps and evaluates every ``train.eval_every`` (0 = never).
-    Returns (the prepared model, per-step losses averaged over the step's micro-batches).
+    Warm-up + cosine schedule, clipping at ``train.clip`` (0 = none; the gradient norm is logged either way),
+    ``train.grad_accum`` micro-batches per step; every ``train.log_every`` steps a log row (loss averaged over
+    the step's micro-batches and the processes), every ``train.eval_every`` an evaluation (0 = never). When
+    ``loader.sampler`` is an :class:`EpochSampler` its epoch is set before each pass over the data.
+
+    save: called with the position (stage, step, epoch, batch_in_epoch, scheduler state, losses) every
+    ``train.save_every`` steps and at the last step (``run`` writes the checkpoint); resume: (checkpoint
+    folder, its trainer_state) of this stage: the accelerate state is loaded after ``prepare`` and the loop
+    continues from the saved data position. Starts with ``accelerator.free_memory()``, so the accelerate
+    state of the previous stage is not saved with this one's.
+    Returns (the prepared model, per-step losses from step 1).
     """
     if not params:
         raise ConfigError(f"{stage}.steps={steps} but no parameter is trainable in this stage (e.g. Stieltjes adds "
-                          "none: name some in transfer.train, or set the steps to 0)")
+                          "none unless per_head_temperature: name some in transfer.train, or set the steps to 0)")
     t = recipe.train
+    accelerator.free_memory()
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=t.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, t.warmup_steps, steps)
     wrapped, optimizer, prepared = accelerator.prepare(model, optimizer, loader)
+    clip_params = [p for p in wrapped.parameters() if p.requires_grad]  # FSDP may have replaced the tensors
+    optimizer.zero_grad()  # a gradient left by earlier code (calibration) must not enter the first step
+    step, epoch, skip, losses = 0, 0, 0, []
+    if resume is not None:
+        path, state = resume
+        if state["step"] > steps:
+            raise ValueError(f"checkpoint {path} is at {stage} step {state['step']} but {stage}.steps={steps}")
+        accelerator.load_state(str(path))
+        scheduler.load_state_dict(state["scheduler"])
+        step, epoch, skip, losses = state["step"], state["epoch"], state["batch_in_epoch"], list(state["losses"])
+    sampler = getattr(loader, "sampler", None)
     wrapped.train()
-    losses, micro, step = [], [], 0
-    bar = tqdm(total=steps, desc=stage, disable=not accelerator.is_local_main_process)
+    bar = tqdm(total=steps, initial=step, desc=stage, disable=not accelerator.is_local_main_process)
+    micro, tokens, since = [], 0, time.time()
     while step < steps:
-        for batch in prepared:
+        if isinstance(sampler, EpochSampler):
+            sampler.set_epoch(epoch)
+        batch_in_epoch = skip
+        for batch in accelerator.skip_first_batches(prepared, skip) if skip else prepared:
+            batch_in_epoch += 1
             with accelerator.accumulate(wrapped):
                 loss = loss_fn(wrapped, batch)
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and t.clip > 0:
-                    accelerator.clip_grad_norm_(params, t.clip)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(clip_params, t.clip if t.clip > 0 else math.inf)
                 optimizer.step()
                 optimizer.zero_grad()
-            micro.append(float(loss.detach()))
+            micro.append(loss.detach().float())
+            tokens += int(batch["attention_mask"].sum())
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
             step += 1
-            losses.append(sum(micro) / len(micro))
+            losses.append(float(accelerator.reduce(torch.stack(micro).mean(), "mean")))
             micro = []
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
             if step % t.log_every == 0 or step == steps:
-                log(stage=stage, step=step, loss=losses[-1], lr=scheduler.get_last_lr()[0])
-            if t.eval_every and step % t.eval_every == 0 and step < steps:
-                log(stage=stage, step=step, eval=evaluate_fn(wrapped))
+                seen = float(accelerator.reduce(torch.tensor(float(tokens), device=accelerator.device), "sum"))
+                now = time.time()
+                if log is not None:
+                    log.metrics(stage, step, loss=losses[-1], lr=scheduler.get_last_lr()[0],
+                                grad_norm=float(grad_norm), tokens_per_s=round(seen / max(now - since, 1e-9), 1))
+                tokens, since = 0, now
+            if t.eval_every and step % t.eval_every == 0 and step < steps and log is not None:
+                log.metrics(stage, step, eval=evaluate_fn(wrapped))
+            if save is not None and t.save_every and (step % t.save_every == 0 or step == steps):
+                save({"stage": stage, "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+                      "scheduler": scheduler.state_dict(), "losses": losses})
             if step >= steps:
                 break
+        else:  # the pass ended: the next one starts at its first batch
+            epoch, skip = epoch + 1, 0
+            continue
+        break
     bar.close()
     return wrapped, losses
 
 
 def save(accelerator, model, tokenizer, path: Path) -> None:
-    """``save_pretrained`` of the unwrapped converted model (main process writes) plus the tokenizer."""
+    """``save_pretrained`` of the unwrapped converted model (main process writes) plus the tokenizer; the state
+    dict comes from ``accelerator.get_state_dict`` (gathered in full under FSDP; every process must call)."""
     accelerator.wait_for_everyone()
+    state_dict = accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.save_pretrained(path, is_main_process=accelerator.is_main_process, save_function=accelerator.save,
-                              state_dict=accelerator.get_state_dict(model))
+                              state_dict=state_dict)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(path)
 
 
-def run(recipe: Recipe) -> dict:
-    """Run a validated recipe; returns the summary written to ``output_dir/summary.json``."""
-    t, ft = recipe.train, recipe.fine_tune
+def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
+    """Run a validated recipe; returns the summary written to ``output_dir/summary.json``.
+
+    resume: a checkpoint folder or ``"latest"`` (``finetune/checkpoint.py``): the data, conversion and
+    calibration are redone (deterministic), the stages before the checkpoint's are skipped (their results
+    come from the checkpoint) and its stage continues from the saved step with the saved model, optimizer,
+    scheduler, RNG states and data position.
+    """
+    t, ft, d = recipe.train, recipe.fine_tune, recipe.data
+    out_dir = Path(recipe.output_dir)
+    resume_path = resolve_resume(resume, out_dir) if resume else None
+    state = read_state(resume_path) if resume_path else None
+    if state is not None and not getattr(recipe, state["stage"]).steps:
+        raise ValueError(f"checkpoint {resume_path} is in stage {state['stage']!r} but the recipe has "
+                         f"{state['stage']}.steps=0")
+    if t.tensorboard:
+        tensorboard_writer_class()  # fail before any work
     accelerator = Accelerator(gradient_accumulation_steps=t.grad_accum,
                               **({} if t.mixed_precision is None else {"mixed_precision": t.mixed_precision}))
+    if state is not None:
+        check_compatible(state, num_processes=accelerator.num_processes, batch_size=d.batch_size,
+                         grad_accum=t.grad_accum, seed=recipe.seed)
     set_seed(recipe.seed)
-    out_dir = Path(recipe.output_dir)
-    log = JsonLog(out_dir / "log.jsonl", accelerator.is_main_process)
+    log = RunLog(out_dir, accelerator.is_main_process, tensorboard=t.tensorboard,
+                 resume_at=None if state is None else (state["stage"], state["step"]),
+                 elapsed_before=0.0 if state is None else state["elapsed_s"])
+    if state is not None:
+        log.event(event="resume", checkpoint=str(resume_path), stage=state["stage"], step=state["step"])
 
     teacher, tokenizer, causal = load_model(recipe.model.name, recipe.model.dtype, recipe.seed)
     if not causal and ft.steps and (ft.lm_weight or ft.kl_weight):
         raise ConfigError(f"model.name={recipe.model.name!r} is an encoder without logits: fine_tune.lm_weight and "
                           "kl_weight must be 0 (use hidden_weight)")
-    d = recipe.data
     documents = load_documents(d.source, d.documents + d.eval_documents, min_chars=d.min_chars,
                                text_field=d.text_field)
     train_docs, eval_docs = split_documents(documents, d.eval_documents)
     train_rows = RowDataset(tokenize_rows(train_docs, tokenizer, d.seq_len))
     eval_rows = RowDataset(tokenize_rows(eval_docs, tokenizer, d.seq_len))
-    generator = torch.Generator().manual_seed(recipe.seed)
-    train_loader = torch.utils.data.DataLoader(train_rows, batch_size=d.batch_size, shuffle=True, generator=generator)
-    eval_loader = torch.utils.data.DataLoader(eval_rows, batch_size=d.eval_batch_size)
-    log(event="data", train_rows=len(train_rows), eval_rows=len(eval_rows), train_documents=len(train_docs),
-        eval_documents=len(eval_docs))
+    # own generators: iterating a loader draws its base seed from them, not from the global RNG
+    train_loader = torch.utils.data.DataLoader(train_rows, batch_size=d.batch_size,
+                                               sampler=EpochSampler(len(train_rows), recipe.seed),
+                                               generator=torch.Generator().manual_seed(recipe.seed))
+    eval_loader = torch.utils.data.DataLoader(eval_rows, batch_size=d.eval_batch_size,
+                                              generator=torch.Generator().manual_seed(recipe.seed))
+    log.event(event="data", train_rows=len(train_rows), eval_rows=len(eval_rows), train_documents=len(train_docs),
+              eval_documents=len(eval_docs))
 
     c = recipe.convert
     student = hfab.convert(teacher, c.backend, c.layers, **c.options)
@@ -236,25 +293,41 @@ def run(recipe: Recipe) -> dict:
         return evaluate(accelerator, model, teacher, eval_loader, causal, t.eval_batches)
 
     summary = {"backend": c.backend, "model": recipe.model.name}
-    if causal:
-        summary["teacher"] = evaluate(accelerator, teacher, None, eval_loader, causal, t.eval_batches)
-    summary["converted"] = evaluate_fn(student)
-    log(stage="converted", eval=summary["converted"], teacher=summary.get("teacher"))
+    if state is not None:
+        summary = state["summary"]
+    else:
+        if causal:
+            summary["teacher"] = evaluate(accelerator, teacher, None, eval_loader, causal, t.eval_batches)
+            log.metrics("teacher", 0, eval=summary["teacher"])
+        summary["converted"] = evaluate_fn(student)
+        log.metrics("converted", 0, eval=summary["converted"])
 
-    if recipe.calibrate.enabled:
+    if recipe.calibrate.enabled:  # redone on resume: the Stieltjes order lives in the config, not the state
         cal = recipe.calibrate
         batches = [{k: v.to(accelerator.device) for k, v in b.items()}
                    for _, b in zip(range(cal.batches), torch.utils.data.DataLoader(train_rows, d.batch_size))]
         report = calibrate(student, batches, race_betas=cal.race_betas, stieltjes_orders=cal.stieltjes_orders,
-                           steps=cal.steps, lr=cal.lr)
-        log(stage="calibrate", report=report)
-        if accelerator.is_main_process:
-            (out_dir / "calibration.json").write_text(json.dumps(report, indent=1))
-        summary["calibrated"] = evaluate_fn(student)
-        log(stage="calibrated", eval=summary["calibrated"])
+                           temperatures=cal.stieltjes_temperatures, steps=cal.steps, lr=cal.lr)
+        if state is None:
+            log.event(stage="calibrate", report=report)
+            if accelerator.is_main_process:
+                (out_dir / "calibration.json").write_text(json.dumps(report, indent=1))
+            summary["calibrated"] = evaluate_fn(student)
+            log.metrics("calibrated", 0, eval=summary["calibrated"])
+
+    def saver(position: dict) -> None:
+        full = {**position, "sampler_seed": recipe.seed, "num_processes": accelerator.num_processes,
+                "batch_size": d.batch_size, "grad_accum": t.grad_accum, "summary": summary,
+                "elapsed_s": log.elapsed()}
+        path = save_checkpoint(accelerator, out_dir, full, t.keep_checkpoints)
+        log.event(event="checkpoint", path=str(path), stage=position["stage"], step=position["step"])
+
+    def resume_for(stage: str):
+        return (resume_path, state) if state is not None and state["stage"] == stage else None
 
     model = student
-    if recipe.transfer.steps:
+    start = stage_rank(state["stage"]) if state is not None else 0
+    if recipe.transfer.steps and start <= stage_rank("transfer"):
         params = trainable(student, recipe.transfer.train)
         with TeacherForcing(student) as forcing:
             def transfer_loss(wrapped, batch):
@@ -264,9 +337,10 @@ def run(recipe: Recipe) -> dict:
                 return sum(layer_losses.values()) / len(layer_losses)
 
             model, losses = run_stage("transfer", accelerator, student, params, transfer_loss, train_loader,
-                                      recipe.transfer.steps, recipe.transfer.lr, recipe, log, evaluate_fn)
+                                      recipe.transfer.steps, recipe.transfer.lr, recipe, log, evaluate_fn,
+                                      save=saver, resume=resume_for("transfer"))
         summary["transfer"] = {"first_loss": losses[0], "last_loss": losses[-1], "eval": evaluate_fn(model)}
-        log(stage="transfer", eval=summary["transfer"]["eval"])
+        log.metrics("transfer", recipe.transfer.steps, eval=summary["transfer"]["eval"])
         save(accelerator, model, tokenizer, out_dir / "transfer")
         model = accelerator.unwrap_model(model)
 
@@ -312,7 +386,7 @@ def run(recipe: Recipe) -> dict:
             return loss
 
         model, losses = run_stage("fine_tune", accelerator, model, params, finetune_loss, train_loader, ft.steps,
-                                  ft.lr, recipe, log, evaluate_fn)
+                                  ft.lr, recipe, log, evaluate_fn, save=saver, resume=resume_for("fine_tune"))
         model = accelerator.unwrap_model(model)
         if t.gradient_checkpointing:
             model.gradient_checkpointing_disable()
@@ -321,16 +395,19 @@ def run(recipe: Recipe) -> dict:
         summary["fine_tune"] = {"first_loss": losses[0], "last_loss": losses[-1]}
 
     summary["final"] = evaluate_fn(model)
-    log(stage="final", eval=summary["final"])
+    log.metrics("final", 0, eval=summary["final"])
     save(accelerator, model, tokenizer, out_dir / "final")
+    probe = next(iter(eval_loader))
+    kwargs = forward_kwargs(model, {k: v.to(accelerator.device) for k, v in probe.items()})
+    with torch.no_grad():  # every process runs it: an FSDP forward is collective
+        out = model.eval()(**kwargs)
     if accelerator.is_main_process:
-        probe = next(iter(eval_loader))
-        kwargs = forward_kwargs(model, {k: v.to(accelerator.device) for k, v in probe.items()})
-        with torch.no_grad():
-            out = model.eval()(**kwargs)
         torch.save({"inputs": {k: v.cpu() for k, v in kwargs.items() if torch.is_tensor(v)},
                     "output": (out.logits if causal else last_hidden(out)).cpu()}, out_dir / "probe.pt")
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if t.plot:
+            plot_curves(out_dir / "log.csv", out_dir / "curves.png")
+    log.close()
     accelerator.wait_for_everyone()
     return summary
 
@@ -339,11 +416,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="YAML recipe (configs/finetune/<name>.yaml)")
     parser.add_argument("--output-dir", help="overrides the recipe's output_dir")
+    parser.add_argument("--resume", metavar="DIR|latest",
+                        help="continue from a checkpoint folder (<output_dir>/checkpoints/<stage>-<step>) or the "
+                             "newest one under output_dir")
     args = parser.parse_args(argv)
     recipe = load_recipe(args.config)
     if args.output_dir:
         recipe.output_dir = args.output_dir
-    run(recipe)
+    run(recipe, resume=args.resume)
     return 0
 
 

@@ -17,7 +17,10 @@ of the attention module's first output (the projected output for Llama-like fami
   ``steps`` Adam steps on every ``hfab_*`` parameter (per-head beta, Nyström conv weight).
 - Stieltjes: ``order`` by a grid, one order for the whole model (recorded in ``config.hfab_plan``, so it
   survives ``save_pretrained`` / ``from_pretrained``); the per-layer best orders are reported only, since
-  the plan has one config for all layers.
+  the plan has one config for all layers. Then, when the model was converted with
+  ``per_head_temperature=True``, ``hfab_temperature`` per layer and head: one pass over the heads, each a
+  1-D grid search with the other heads fixed (one forward per candidate scores every layer); a head keeps
+  its value unless a candidate lowers its layer's error. Then optionally ``steps`` Adam steps as for RACE.
 - Nyström: ``steps`` Adam steps on ``hfab_conv_weight`` (from ``convert(..., conv_kernel_size=k)``).
 """
 from __future__ import annotations
@@ -32,11 +35,12 @@ from torch import Tensor
 from .integrations import attention_layers, head_dims
 
 __all__ = ["TeacherForcing", "calibrate", "layer_errors", "converted_layers", "forward_kwargs", "DEFAULT_STIELTJES_ORDERS",
-           "DEFAULT_RACE_BETA_FACTORS"]
+           "DEFAULT_STIELTJES_TEMPERATURES", "DEFAULT_RACE_BETA_FACTORS"]
 
 DEFAULT_STIELTJES_ORDERS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
+DEFAULT_STIELTJES_TEMPERATURES = (0.25, 0.5, 0.71, 1.0, 1.41, 2.0, 4.0)
 DEFAULT_RACE_BETA_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)  # times D**-0.5
-_MIN_BETA = 1e-4
+_MIN_BETA = 1e-4  # also the floor of a Stieltjes temperature
 
 
 def converted_layers(model) -> list[tuple[int, torch.nn.Module]]:
@@ -149,7 +153,8 @@ def layer_errors(model, batches: Sequence[dict]) -> dict[int, float]:
 
 
 def calibrate(model, batches: Iterable[dict], *, race_betas: Optional[Sequence[float]] = None,
-              stieltjes_orders: Optional[Sequence[float]] = None, steps: int = 0, lr: float = 1e-2) -> dict:
+              stieltjes_orders: Optional[Sequence[float]] = None, temperatures: Optional[Sequence[float]] = None,
+              steps: int = 0, lr: float = 1e-2) -> dict:
     """Tune the converted layers of ``model`` (in place) on a few calibration batches; returns a report.
 
     Args:
@@ -160,13 +165,17 @@ def calibrate(model, batches: Iterable[dict], *, race_betas: Optional[Sequence[f
             best is written into ``hfab_beta`` (every head).
         stieltjes_orders: Stieltjes order candidates (default ``DEFAULT_STIELTJES_ORDERS``); the best for
             the summed error is set on every converted layer and in ``model.config.hfab_plan``.
+        temperatures: Stieltjes per-head temperature candidates (default ``DEFAULT_STIELTJES_TEMPERATURES``),
+            searched after the order when the layers have ``hfab_temperature`` (``convert(...,
+            per_head_temperature=True)``); passing them for layers without it is a ValueError.
         steps: Adam steps (lr ``lr``) on every ``hfab_*`` parameter after the grid, minimising the summed
-            per-layer MSE; RACE beta is kept >= 1e-4. Only the ``hfab_*`` parameters change; if the steps
+            per-layer MSE; RACE beta and Stieltjes temperatures are kept >= 1e-4. Only the ``hfab_*`` parameters change; if the steps
             raise the summed error, the values before them are restored (``choices["steps_kept"]`` False).
 
     Returns:
         ``{"backend", "before": {layer: err}, "after": {layer: err}, "choices": {...}}``; for Stieltjes,
-        ``choices["order"]`` and ``choices["best_order_per_layer"]``; for RACE ``choices["beta"]`` per layer.
+        ``choices["order"]``, ``choices["best_order_per_layer"]`` and, with temperatures,
+        ``choices["temperature"]`` ({layer: [one per head]}); for RACE ``choices["beta"]`` per layer.
 
     Raises ValueError for a model with no converted layer, no batches, or an empty/non-positive grid.
     """
@@ -189,6 +198,8 @@ def calibrate(model, batches: Iterable[dict], *, race_betas: Optional[Sequence[f
             choices["beta"] = _grid_race(model, modules, batches, race_betas)
         elif backend == "stieltjes":
             choices.update(_grid_stieltjes(model, modules, batches, stieltjes_orders))
+            if temperatures is not None or any(getattr(m, "hfab_temperature", None) is not None for _, m in modules):
+                choices["temperature"] = _grid_temperature(model, modules, batches, temperatures)
         after = layer_errors(model, batches)
         if steps:
             params = _hfab_parameters(modules)
@@ -257,6 +268,30 @@ def _grid_stieltjes(model, modules, batches, orders) -> dict:
     return {"order": orders[best], "best_order_per_layer": per_layer}
 
 
+def _grid_temperature(model, modules, batches, temperatures) -> dict[int, list[float]]:
+    temperatures = _check_grid("temperatures", DEFAULT_STIELTJES_TEMPERATURES if temperatures is None
+                               else temperatures)
+    for idx, module in modules:
+        if getattr(module, "hfab_temperature", None) is None:
+            raise ValueError(f"layer {idx} has no hfab_temperature parameter; convert the model with "
+                             "hf_attention_backends.convert(model, 'stieltjes', per_head_temperature=True)")
+    current = layer_errors(model, batches)
+    for head in range(modules[0][1].hfab_temperature.numel()):
+        best = {idx: (current[idx], float(m.hfab_temperature.detach()[head])) for idx, m in modules}
+        for value in temperatures:
+            with torch.no_grad():
+                for _, module in modules:
+                    module.hfab_temperature[head] = value
+            for idx, err in layer_errors(model, batches).items():
+                if err < best[idx][0]:
+                    best[idx] = (err, value)
+        with torch.no_grad():
+            for idx, module in modules:
+                module.hfab_temperature[head] = best[idx][1]
+        current = {idx: err for idx, (err, _) in best.items()}
+    return {idx: m.hfab_temperature.detach().tolist() for idx, m in modules}
+
+
 def _hfab_parameters(modules) -> list[torch.nn.Parameter]:
     return [p for _, m in modules for n, p in m.named_parameters(recurse=False) if n.startswith("hfab_")]
 
@@ -264,8 +299,8 @@ def _hfab_parameters(modules) -> list[torch.nn.Parameter]:
 def _fit(model, modules, batches, steps: int, lr: float) -> list[float]:
     params = _hfab_parameters(modules)
     if not params:
-        raise ValueError("steps > 0 but the converted layers have no hfab_* parameters to fit (Stieltjes and exact "
-                         "add none; Nyström needs conv_kernel_size > 0)")
+        raise ValueError("steps > 0 but the converted layers have no hfab_* parameters to fit (exact adds none; "
+                         "Stieltjes needs per_head_temperature=True, Nyström conv_kernel_size > 0)")
     frozen = {p: p.requires_grad for p in model.parameters()}
     for p in model.parameters():
         p.requires_grad_(False)
@@ -283,11 +318,13 @@ def _fit(model, modules, batches, steps: int, lr: float) -> list[float]:
                 optimizer.step()
                 with torch.no_grad():
                     for _, module in modules:
-                        beta = getattr(module, "hfab_beta", None)
-                        if beta is not None:
-                            beta.clamp_(min=_MIN_BETA)
+                        for name in ("hfab_beta", "hfab_temperature"):
+                            value = getattr(module, name, None)
+                            if value is not None:
+                                value.clamp_(min=_MIN_BETA)
                 history.append(float(loss.detach()))
     finally:
+        optimizer.zero_grad()  # leave no gradient behind for the caller's next optimizer step
         for p, flag in frozen.items():
             p.requires_grad_(flag)
     return history

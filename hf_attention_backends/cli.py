@@ -3,7 +3,8 @@
 ``hfab verify``: switch a real model's attention to each backend and measure how far its outputs move
 from the model's own softmax attention (all-MiniLM-L6-v2 vs eager by default; ``--model smollm2``:
 SmolLM2-135M-Instruct vs sdpa); ``--report DIR`` adds the model_tests report (report.md, report.json, PNG
-plots). ``hfab info``: versions, the CUDA extension, which ops have CUDA kernels.
+plots). ``hfab info``: versions, the CUDA extension, which ops have CUDA kernels. ``hfab finetune``: run a
+fine-tuning recipe (``finetune/``) in this one process; for several GPUs use ``accelerate launch``.
 
 Exit status: 0 on success, 2 on a usage error, an unsupported choice (the message says what is supported)
 or a missing offline asset package.
@@ -100,7 +101,52 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="versions, CUDA extension, ops with CUDA kernels")
     info.add_argument("--json", metavar="PATH|-", help="also write the report as JSON to PATH (- = stdout only)")
     info.set_defaults(func=run_info)
+
+    finetune = sub.add_parser("finetune", help="run a fine-tuning recipe (configs/finetune/*.yaml) in one process",
+                              description="Convert a model, calibrate it and win its quality back (attention "
+                                          "transfer, then LoRA/full fine-tuning) as the YAML recipe says, in this "
+                                          "one process (CPU or one GPU). " + FINETUNE_LAUNCH)
+    finetune.add_argument("--config", required=True, metavar="YAML", help="the recipe (configs/finetune/<name>.yaml)")
+    finetune.add_argument("--output-dir", metavar="DIR", help="overrides the recipe's output_dir")
+    finetune.add_argument("--resume", metavar="DIR|latest",
+                          help="continue from a checkpoint folder (<output_dir>/checkpoints/<stage>-<step>) or the "
+                               "newest one under output_dir")
+    finetune.set_defaults(func=run_finetune)
     return parser
+
+
+FINETUNE_LAUNCH = ("Several GPUs (DDP or FSDP, one or many nodes): accelerate launch --config_file "
+                   "configs/accelerate/{multi_gpu,fsdp}.yaml finetune/train.py --config <recipe> (the same flags).")
+
+
+def finetune_module():
+    """The recipe runner: ``hf_attention_backends.finetune.train`` when installed so, else ``finetune/train.py`` of
+    the source checkout this package runs from (an editable install); CliError when neither exists."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    if importlib.util.find_spec("hf_attention_backends.finetune") is not None:
+        return importlib.import_module("hf_attention_backends.finetune.train")
+    root = Path(__file__).resolve().parents[1]
+    if (root / "finetune" / "train.py").is_file():
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+        return importlib.import_module("finetune.train")
+    raise CliError("the finetune recipes are not installed: install the package from a source checkout with "
+                   "finetune/ mapped to hf_attention_backends.finetune (setup.py), or run finetune/train.py")
+
+
+def run_finetune(args) -> int:
+    train = finetune_module()
+    print(f"hfab finetune: one process on {'cuda' if torch.cuda.is_available() else 'cpu'}. {FINETUNE_LAUNCH}",
+          file=sys.stderr)
+    recipe = train.load_recipe(args.config)
+    if args.output_dir:
+        recipe.output_dir = args.output_dir
+    summary = train.run(recipe, resume=args.resume)
+    print(json.dumps({"output_dir": recipe.output_dir, "final": summary.get("final")}))
+    return 0
 
 
 def parse_backends(values: Optional[list], model: str) -> list:

@@ -3,7 +3,9 @@
 ``convert(model, "race", layers=[0, 2], per_head_beta=True)`` returns a copy of ``model`` whose listed
 attention layers run RACE (the others run transformers' sdpa; enable_backend marks them
 ``hfab_left_out``), with the backend's tensors added to each converted attention module (see
-``nn/parameters.py``; names carry the ``hfab_`` prefix: ``hfab_planes``, ``hfab_beta``, ``hfab_conv_weight``).
+``nn/parameters.py``; names carry the ``hfab_`` prefix: ``hfab_planes``, ``hfab_beta``, ``hfab_conv_weight``;
+plus, for Stieltjes with ``per_head_temperature=True``, the Parameter ``hfab_temperature`` (Hq,) of ones that
+multiplies each head's scores, added here).
 The plan is stored as ``model.config.hfab_plan``, a JSON dict written to config.json by ``save_pretrained``::
 
     {"backend": "race", "layers": [0, 2], "config": {...every knob...}, "version": "0.1.0"}
@@ -75,9 +77,9 @@ def convert(model, backend: str, layers: Optional[Iterable[int]] = None, *, inpl
     for idx, module in attention_layers(model):
         if idx in chosen:
             ref = next(module.parameters(), None)
+            device, dtype = (None, None) if ref is None else (ref.device, ref.dtype)
             names = add_backend_parameters(module, cfg, num_heads=num_heads, head_dim=head_dim, prefix=PREFIX,
-                                           seed_offset=idx, device=None if ref is None else ref.device,
-                                           dtype=None if ref is None else ref.dtype)
+                                           seed_offset=idx, device=device, dtype=dtype)
             added += [(module, name) for name in names]
     try:  # after the tensors: enable_backend checks that a Nyström conv has its weight
         enable_backend(model, backend, layers=chosen, **config)

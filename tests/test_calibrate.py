@@ -96,3 +96,44 @@ def test_calibrate_errors():
         calibrate(model, batches(), race_betas=[0.1, -1.0])
     with pytest.raises(ValueError, match="no hfab_\\* parameters"):
         calibrate(hfab.convert(peaked(), "stieltjes"), batches(), stieltjes_orders=[4.0], steps=2)
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_stieltjes_temperature_search_per_head_improves_and_survives_save_load(family, tmp_path):
+    model = hfab.convert(peaked(family), "stieltjes", order=4.0, per_head_temperature=True)
+    data = batches(family)
+    grid = [0.25, 0.5, 2.0, 4.0]
+    report = calibrate(model, data, stieltjes_orders=[4.0], temperatures=grid)
+    before, after = report["before"], report["after"]
+    assert after == pytest.approx(layer_errors(model, data))
+    for idx, module in attention_layers(model):
+        chosen = report["choices"]["temperature"][idx]
+        assert chosen == module.hfab_temperature.tolist() and len(chosen) == 4
+        assert all(v in grid + [1.0] for v in chosen)  # a grid value, or the initial 1 when none beats it
+        assert after[idx] <= before[idx]
+    assert sum(after.values()) < 0.9 * sum(before.values()), (before, after)
+    # the last head searched (3) saw every other head at its final value: no grid value of it does better
+    for idx, module in attention_layers(model):
+        kept = float(module.hfab_temperature.detach()[3])
+        for value in grid:
+            with torch.no_grad():
+                module.hfab_temperature[3] = value
+            assert layer_errors(model, data)[idx] >= after[idx] - 1e-12
+        with torch.no_grad():
+            module.hfab_temperature[3] = kept
+    model.save_pretrained(tmp_path)
+    loaded = hfab.from_pretrained(tmp_path)
+    for (_, a), (_, b) in zip(attention_layers(model), attention_layers(loaded)):
+        assert torch.equal(a.hfab_temperature, b.hfab_temperature)
+
+
+def test_stieltjes_temperature_fit_and_errors():
+    model = hfab.convert(peaked(), "stieltjes", per_head_temperature=True)
+    report = calibrate(model, batches(), stieltjes_orders=[4.0], temperatures=[1.0], steps=5, lr=0.05)
+    assert len(report["choices"]["steps"]) == 5
+    assert all(bool((m.hfab_temperature >= 1e-4).all()) and m.hfab_temperature.grad is None
+               for _, m in attention_layers(model))
+    with pytest.raises(ValueError, match="per_head_temperature=True"):
+        calibrate(hfab.convert(peaked(), "stieltjes"), batches(), stieltjes_orders=[4.0], temperatures=[1.0])
+    with pytest.raises(ValueError, match="temperatures"):
+        calibrate(model, batches(), stieltjes_orders=[4.0], temperatures=[0.0])

@@ -64,6 +64,7 @@ ROUND_TRIPS = [
     ("bert", "race", None, dict(num_planes=2, num_tables=3, per_head_beta=True, seed=5)),
     ("bert", "nystrom", None, dict(num_landmarks=4, conv_kernel_size=3)),
     ("llama", "stieltjes", [1], dict(order=3.0)),
+    ("llama", "stieltjes", None, dict(per_head_temperature=True)),
     ("bert", "race", [0], dict(num_planes=3)),
 ]
 
@@ -80,6 +81,8 @@ def test_save_load_round_trip_is_bitwise(tmp_path, family, backend, layers, knob
             assert not torch.equal(module.hfab_beta, default), "training did not move beta"
         if backend == "nystrom":
             assert module.hfab_conv_weight.shape == (4, 3) and module.hfab_conv_weight.abs().sum() > 0
+        if knobs.get("per_head_temperature"):
+            assert module.hfab_temperature.shape == (4,) and not torch.equal(module.hfab_temperature, torch.ones(4))
     with torch.no_grad():
         expected = run(model)
     model.save_pretrained(tmp_path)
@@ -135,6 +138,22 @@ def test_parameters_added_per_backend():
         assert module.hfab_conv_weight.requires_grad and torch.equal(module.hfab_conv_weight, torch.zeros(4, 5))
     plain = hfab.convert(tiny_bert(), "nystrom")
     assert not any(n.split(".")[-1].startswith("hfab_") for n in plain.state_dict())
+
+
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_stieltjes_temperature_multiplies_the_scores(family):
+    model = hfab.convert(FAMILIES[family](), "stieltjes", per_head_temperature=True)
+    plain = hfab.convert(FAMILIES[family](), "stieltjes")
+    with torch.no_grad():
+        assert torch.equal(run(model), run(plain)), "a temperature of 1 must leave the outputs unchanged"
+        for (_, module), (_, ref) in zip(attention_layers(model), attention_layers(plain)):
+            assert module.hfab_temperature.requires_grad and torch.equal(module.hfab_temperature, torch.ones(4))
+            module.hfab_temperature.fill_(1.7)
+            ref.scaling = ref.scaling * 1.7  # the same scores through the module's own scale
+        torch.testing.assert_close(run(model), run(plain), rtol=1e-4, atol=1e-5)
+        before = run(model)
+        next(m for _, m in attention_layers(model)).hfab_temperature[2] = 0.5
+        assert not torch.allclose(run(model), before), "one head's temperature must change the output"
 
 
 def test_hybrid_plan_leaves_other_layers_on_sdpa():

@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,9 @@ from hf_attention_backends.calibrate import TeacherForcing, forward_kwargs
 from finetune.config import ConfigError, Recipe, load_recipe, recipe_from_dict
 from finetune.data import ByteTokenizer, load_documents, split_documents, tokenize_rows
 from finetune.models import load_model
-from finetune.train import next_token_nll, run_stage, trainable
+from finetune.checkpoint import EpochSampler, check_compatible, list_checkpoints, resolve_resume
+from finetune.logs import CSV_COLUMNS, RunLog, read_csv
+from finetune.train import next_token_nll, run, run_stage, trainable
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "finetune" / "tiny_smoke.yaml"
@@ -37,6 +40,8 @@ def test_shipped_recipes_validate(name):
     ({"calibrate": {"race_betas": [0.1, 0]}}, r"calibrate.race_betas=\[0.1, 0\] must be null or a non-empty"),
     ({"model": {"dtype": "int8"}}, r"model.dtype='int8' is not supported"),
     ({"data": []}, r"data must be a mapping, got list"),
+    ({"calibrate": {"stieltjes_temperatures": [1.0]}}, r"needs convert.backend: stieltjes with options per_head_temp"),
+    ({"train": {"save_every": -1}}, r"train.save_every=-1 must be >= 0"),
 ])
 def test_config_validation_errors(data, match):
     with pytest.raises(ConfigError, match=match):
@@ -116,7 +121,7 @@ def test_attention_transfer_and_lm_loss_decrease():
             return sum(forcing.losses().values()) / len(forcing.terms)
 
         _, losses = run_stage("transfer", accelerator, student, params, transfer_loss, batches, 12, 0.1, recipe,
-                              lambda **_: None, None)
+                              None, None)
     assert len(losses) == 12
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.9 * losses[0], losses
 
@@ -127,7 +132,7 @@ def test_attention_transfer_and_lm_loss_decrease():
     student.requires_grad_(True)
     params = list(student.parameters())
     _, losses = run_stage("fine_tune", accelerator, student, params, lm_loss, batches, 8, 3e-3, recipe,
-                          lambda **_: None, None)
+                          None, None)
     assert losses[-1] < 0.9 * losses[0], losses
 
 
@@ -161,3 +166,84 @@ def test_train_script_end_to_end_on_cpu(tmp_path):
     with torch.no_grad():
         again = loaded.eval()(**probe["inputs"]).logits
     assert torch.equal(again, probe["output"]), "the saved model does not reload bitwise"
+
+
+def smoke_recipe(out_dir, **train):
+    recipe = load_recipe(SMOKE)
+    recipe.output_dir = str(out_dir)
+    recipe.train.save_every, recipe.train.keep_checkpoints = 2, 0
+    for key, value in train.items():
+        setattr(recipe.train, key, value)
+    return recipe
+
+
+def comparable(rows):
+    """The log rows without the wall-clock columns."""
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed_s")} for r in rows]
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_to_the_identical_next_step(tmp_path):
+    # one run: 3 transfer + 3 fine-tune steps, checkpoints at step 2 and 3 of each stage, calibration first
+    first = tmp_path / "first"
+    summary = run(smoke_recipe(first))
+    rows = read_csv(first / "log.csv")
+    names = [p.name for p in list_checkpoints(first)]
+    assert names == ["transfer-000002", "transfer-000003", "fine_tune-000002", "fine_tune-000003"]
+    assert resolve_resume("latest", first).name == "fine_tune-000003"
+    # a fresh run resumed from transfer step 2 redoes transfer step 3 and all of fine-tuning bitwise
+    for checkpoint in ("transfer-000002", "fine_tune-000002"):
+        again = tmp_path / checkpoint
+        shutil.copytree(first, again)
+        resumed = run(smoke_recipe(again), resume=str(again / "checkpoints" / checkpoint))
+        assert comparable(read_csv(again / "log.csv")) == comparable(rows), checkpoint
+        assert resumed == summary
+        assert torch.equal(torch.load(again / "probe.pt")["output"], torch.load(first / "probe.pt")["output"])
+    losses = {(r["stage"], r["step"]): r["loss"] for r in rows if "loss" in r}
+    assert set(losses) == {(s, float(i)) for s in ("transfer", "fine_tune") for i in (1, 2, 3)}
+    assert list(read_csv(first / "log.csv")[0]) == ["step", "stage", "ppl", "elapsed_s"]  # teacher row
+    assert (first / "curves.png").stat().st_size > 10_000
+
+
+def test_run_log_csv_resume_truncates_and_tensorboard_error(tmp_path, monkeypatch):
+    log = RunLog(tmp_path, True)
+    log.metrics("converted", 0, eval={"ppl": 9.0})
+    for step in (1, 2, 3):
+        log.metrics("transfer", step, loss=1.0 / step, lr=0.1, grad_norm=0.5, tokens_per_s=10.0)
+    log.metrics("fine_tune", 1, loss=0.1)
+    with open(tmp_path / "log.csv") as f:
+        assert f.readline().strip() == ",".join(CSV_COLUMNS)
+    RunLog(tmp_path, True, resume_at=("transfer", 2))  # rows after transfer step 2 are rewritten by the resume
+    assert [(r["stage"], r["step"]) for r in read_csv(tmp_path / "log.csv")] == [("converted", 0), ("transfer", 1),
+                                                                                 ("transfer", 2)]
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    with pytest.raises(ConfigError, match="train.tensorboard=true but the tensorboard package is not importable"):
+        RunLog(tmp_path / "tb", True, tensorboard=True)
+
+
+def test_epoch_sampler_and_resume_checks(tmp_path):
+    sampler = EpochSampler(10, seed=3)
+    first = list(sampler)
+    assert sorted(first) == list(range(10)) and list(sampler) == first
+    sampler.set_epoch(1)
+    assert list(sampler) != first and list(EpochSampler(10, seed=3)) == first
+    state = {"num_processes": 1, "batch_size": 4, "grad_accum": 1, "sampler_seed": 0}
+    check_compatible(state, num_processes=1, batch_size=4, grad_accum=1, seed=0)
+    with pytest.raises(ValueError, match="num_processes was 1, now 2"):
+        check_compatible(state, num_processes=2, batch_size=4, grad_accum=1, seed=0)
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        resolve_resume("latest", tmp_path)
+    with pytest.raises(ValueError, match="is not a checkpoint folder"):
+        resolve_resume(str(tmp_path), tmp_path)
+
+
+def test_hfab_finetune_command_errors(tmp_path, capsys):
+    from hf_attention_backends import cli
+
+    assert Path(cli.finetune_module().__file__).resolve() == Path(sys.modules[run.__module__].__file__).resolve()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {save_every: -1}\n")
+    assert cli.main(["finetune", "--config", str(bad)]) == 2
+    assert "train.save_every=-1 must be >= 0" in capsys.readouterr().err
+    assert cli.main(["finetune", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "is not a file" in capsys.readouterr().err

@@ -27,6 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..ops import exact_attention, make_planes, nystrom_attention, race_attention, stieltjes_attention
 from .config import CONFIGS, make_config
 from . import race_cache
+from ..nn.parameters import temperature_scaled
 from .masks import hfab_mask, key_padding_from_mask, sdpa_mask_for
 
 try:  # transformers 5.x records attentions with hooks; output_attentions never reaches the attention function
@@ -146,9 +147,7 @@ def run_backend(backend: str, config, module, query: Tensor, key: Tensor, value:
     if backend == "exact":
         return exact_attention(query, key, value, causal=causal, scale=scaling, key_padding_mask=key_padding_mask)
     if backend == "stieltjes":
-        temperature = getattr(module, "hfab_temperature", None)  # (Hq,): scales each head's scores
-        if temperature is not None:
-            query = query * temperature.to(query.dtype).view(1, -1, 1, 1)
+        query = temperature_scaled(query, getattr(module, "hfab_temperature", None))
         return stieltjes_attention(query, key, value, order=config.order, newton_iter=config.newton_iter,
                                    causal=causal, scale=scaling, key_padding_mask=key_padding_mask)
     if backend == "race":

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..backends.config import CONFIGS, ExactConfig, NystromConfig, RaceConfig, StieltjesConfig, make_config
 from ..ops import exact_attention, nystrom_attention, race_attention, stieltjes_attention
 from ..ops._common import check_positive_int
-from .parameters import add_backend_parameters
+from .parameters import add_backend_parameters, temperature_scaled
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,11 +166,16 @@ class NystromAttention(_BackendAttention):
 
 
 class StieltjesAttention(_BackendAttention):
-    """Stieltjes attention (:func:`hf_attention_backends.stieltjes_attention`)."""
+    """Stieltjes attention (:func:`hf_attention_backends.stieltjes_attention`).
+
+    With ``per_head_temperature`` it owns ``temperature`` (num_heads,), initialised to one, multiplying each
+    head's scores.
+    """
     config_class = StieltjesAttentionConfig
 
     def _attend(self, q, k, v, key_padding_mask):
         c = self.config
+        q = temperature_scaled(q, getattr(self, "temperature", None))
         return stieltjes_attention(q, k, v, order=c.order, newton_iter=c.newton_iter, causal=c.causal,
                                    key_padding_mask=key_padding_mask)
 

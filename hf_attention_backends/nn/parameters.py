@@ -5,18 +5,20 @@
 | race | ``planes`` | persistent buffer, never trained | (L, P, D) | ``make_planes(L, P, D, seed=seed + seed_offset)`` |
 | race | ``beta`` | Parameter | () or (Hq,) with ``per_head_beta`` | ``config.beta``, else D**-0.5 |
 | nystrom | ``conv_weight`` | Parameter, only if ``conv_kernel_size > 0`` | (Hq, ks) | zeros |
+| stieltjes | ``temperature`` | Parameter, only with ``per_head_temperature`` | (Hq,) | ones |
 
 The Nyström conv weight starts at zero so that a freshly converted layer computes exactly the plain
-Nyström output; fine-tuning then learns the depthwise-conv residual. Stieltjes and exact add nothing.
+Nyström output; fine-tuning then learns the depthwise-conv residual. The Stieltjes temperature multiplies head h's
+query (so its scores) by ``temperature[h]`` (:func:`temperature_scaled`); exact adds nothing.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from ..backends.config import NystromConfig, RaceConfig
+from ..backends.config import NystromConfig, RaceConfig, StieltjesConfig
 from ..ops import make_planes
 
 
@@ -41,4 +43,15 @@ def add_backend_parameters(module: nn.Module, config, *, num_heads: int, head_di
         weight = torch.zeros(num_heads, config.conv_kernel_size, device=device, dtype=dtype)
         module.register_parameter(prefix + "conv_weight", nn.Parameter(weight))
         added.append(prefix + "conv_weight")
+    elif isinstance(config, StieltjesConfig) and config.per_head_temperature:
+        ones = torch.ones(num_heads, device=device, dtype=dtype)
+        module.register_parameter(prefix + "temperature", nn.Parameter(ones))
+        added.append(prefix + "temperature")
     return added
+
+
+def temperature_scaled(query: Tensor, temperature: Optional[Tensor]) -> Tensor:
+    """query (B, Hq, N, D) with head h multiplied by temperature[h] ((Hq,); None: query unchanged)."""
+    if temperature is None:
+        return query
+    return query * temperature.to(query.dtype).view(1, -1, 1, 1)

@@ -141,6 +141,20 @@ def test_nystrom_conv_starts_at_zero_so_output_is_plain_nystrom():
     assert (conv(x) - plain(x)).abs().max() > 1e-3
 
 
+def test_stieltjes_temperature_scales_each_heads_scores():
+    tempered = build("stieltjes", per_head_temperature=True)
+    plain = build("stieltjes")
+    plain.load_state_dict({k: t for k, t in tempered.state_dict().items() if k != "temperature"})
+    assert torch.equal(tempered.temperature, torch.ones(4, dtype=torch.float64))
+    x = torch.randn(2, 9, 24, dtype=torch.float64)
+    assert torch.equal(tempered(x), plain(x))
+    with torch.no_grad():  # temperature t on every head = the same module with q_proj scaled by t
+        tempered.temperature.fill_(1.7)
+        plain.q_proj.weight.mul_(1.7)
+        plain.q_proj.bias.mul_(1.7)
+    assert_close_to_oracle(tempered(x), plain(x), atol=1e-12, rtol=1e-12)
+
+
 def test_backend_config_is_the_shared_dataclass():
     c = NystromAttentionConfig(hidden_size=16, num_heads=2, num_landmarks=8, conv_kernel_size=5)
     assert c.backend_config == NystromConfig(num_landmarks=8, conv_kernel_size=5)
