@@ -61,6 +61,7 @@ for qualname in registered_ops():
 "$VENV/bin/python" - "$SO" "$OUT/schemas.txt" <<'PYEOF'
 import importlib.util
 import sys
+from pathlib import Path
 
 import torch
 
@@ -75,7 +76,8 @@ for schema in filter(None, schemas):
     if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA"):
         with_kernel.append(qualname)
 print("CUDA kernels registered for:", ", ".join(with_kernel) or "none")
-missing = {"hfab::exact_fwd", "hfab::exact_bwd", "hfab::race_fwd", "hfab::race_bwd"} - set(with_kernel)
+backends = sorted({p.parent.name for p in Path("csrc").glob("*/*.cu")} - {"common"})  # csrc/<backend>/*.cu
+missing = {f"hfab::{b}_{d}" for b in backends for d in ("fwd", "bwd")} - set(with_kernel)
 sys.exit(f"compile_check: no CUDA kernel registered for {sorted(missing)}" if missing else 0)
 PYEOF
 
