@@ -1,0 +1,131 @@
+// Host side of the Stieltjes kernels shared by stieltjes_fwd.cu and stieltjes_bwd.cu: validation at the op
+// boundary (clear errors naming the argument, its value and what is supported), Params, dispatch, launch.
+#pragma once
+
+#include <cmath>
+#include <optional>
+#include <type_traits>
+
+#include "common/host.cuh"
+#include "stieltjes/stieltjes_kernels.cuh"
+
+namespace hfab {
+namespace stieltjes {
+
+// Validated inputs, prepared for 16-byte loads; keeps the (possibly copied) tensors alive.
+struct Inputs {
+  at::Tensor q, k, v;
+  Params p{};
+};
+
+inline Strides strides_of(const at::Tensor& t) { return Strides{t.stride(0), t.stride(1), t.stride(2)}; }
+
+inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& key_padding_mask, bool causal, double scale, double order) {
+  const c10::Device device = q.device();
+  check_on_device(op, "q", q, device);
+  check_on_device(op, "k", k, device);
+  check_on_device(op, "v", v, device);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must have 4 dims (B, H, N, D), got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), op, ": q ", q.sizes(), " and k ", k.sizes(),
+              " must agree in batch size and head dim");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op, ": query heads Hq=", q.size(1),
+              " must be a multiple of key/value heads Hkv=", k.size(1));
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
+              ": q, k, v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, op, " (CUDA kernel): dtype ", dtype,
+              " is not supported; supported: float16, bfloat16. Cast q, k, v to one of them, or run on the CPU "
+              "reference");
+  const int major = compute_capability_major(device);
+  TORCH_CHECK(major >= 8, op, " (CUDA kernel): needs an sm_80 or newer GPU (tensor-core mma.sync); ", device,
+              " is sm_", major, "x");
+  const int64_t d = q.size(3);
+  TORCH_CHECK(d == 32 || d == 64 || d == 128, op, " (CUDA kernel): head dim D=", d,
+              " is not supported; supported: 32, 64, 128");
+  TORCH_CHECK(std::isfinite(order) && order >= 1.0, op, ": order=", order, " is not supported; supported: a finite "
+              "number >= 1");
+  TORCH_CHECK(q.size(1) <= 65535 && q.size(0) <= 65535, op, ": B=", q.size(0), " and Hq=", q.size(1),
+              " must each be <= 65535 (CUDA grid limits)");
+  TORCH_CHECK(q.size(2) < (int64_t{1} << 30) && k.size(2) < (int64_t{1} << 30), op,
+              ": sequence lengths must be < 2^30, got Nq=", q.size(2), ", Nk=", k.size(2));
+
+  Inputs in;
+  in.q = vector_readable(q);
+  in.k = vector_readable(k);
+  in.v = vector_readable(v);
+  Params& p = in.p;
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    const at::Tensor& m = *key_padding_mask;
+    check_on_device(op, "key_padding_mask", m, device);
+    TORCH_CHECK(m.scalar_type() == at::kBool, op, ": key_padding_mask.dtype=", m.scalar_type(),
+                "; supported: torch.bool (True = real token)");
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == k.size(0) && m.size(1) == k.size(2), op, ": key_padding_mask.shape=",
+                m.sizes(), "; expected (B, Nk)=(", k.size(0), ", ", k.size(2), ")");
+    p.kpm = reinterpret_cast<const unsigned char*>(m.data_ptr());  // read through its strides
+    p.kpm_sb = m.stride(0);
+    p.kpm_sn = m.stride(1);
+  }
+  p.q = in.q.data_ptr();
+  p.k = in.k.data_ptr();
+  p.v = in.v.data_ptr();
+  p.sq = strides_of(in.q);
+  p.sk = strides_of(in.k);
+  p.sv = strides_of(in.v);
+  p.hq = static_cast<int>(q.size(1));
+  p.groups = static_cast<int>(q.size(1) / k.size(1));
+  p.nq = static_cast<int>(q.size(2));
+  p.nk = static_cast<int>(k.size(2));
+  p.scale = static_cast<float>(scale);
+  p.order = static_cast<float>(order);
+  p.causal = causal ? 1 : 0;
+  return in;
+}
+
+// Check a (B, Hq, Nq) fp32 per-row state tensor from hfab::stieltjes_fwd; returns it contiguous.
+inline at::Tensor row_state(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q) {
+  check_on_device(op, name, t, q.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, ".dtype=", t.scalar_type(),
+              "; supported: torch.float32 (as returned by hfab::stieltjes_fwd)");
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == q.size(0) && t.size(1) == q.size(1) && t.size(2) == q.size(2), op, ": ",
+              name, ".shape=", t.sizes(), "; expected (B, Hq, Nq)=(", q.size(0), ", ", q.size(1), ", ", q.size(2), ")");
+  return t.contiguous();
+}
+
+template <typename T> struct Tag { using type = T; };
+
+// fn(Tag<T>{}, integral_constant<D>{}, integral_constant<IORD>{}) for q's dtype and head dim and the order
+// (IORD 4 or 2: fast paths; 0: any order).
+template <typename Fn>
+void dispatch(const at::Tensor& q, double order, Fn&& fn) {
+  auto by_order = [&](auto tag, auto dim) {
+    if (order == 4.0) return fn(tag, dim, std::integral_constant<int, 4>{});
+    if (order == 2.0) return fn(tag, dim, std::integral_constant<int, 2>{});
+    return fn(tag, dim, std::integral_constant<int, 0>{});
+  };
+  auto by_dim = [&](auto tag) {
+    switch (q.size(3)) {
+      case 32: return by_order(tag, std::integral_constant<int, 32>{});
+      case 64: return by_order(tag, std::integral_constant<int, 64>{});
+      default: return by_order(tag, std::integral_constant<int, 128>{});  // prepare() allowed only 32, 64, 128
+    }
+  };
+  if (q.scalar_type() == at::kHalf) by_dim(Tag<__half>{});
+  else by_dim(Tag<__nv_bfloat16>{});
+}
+
+inline unsigned blocks(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
+
+// Launch kernel<<<grid, kThreads, smem>>>(p) on `stream`, raising the dynamic shared memory limit when needed.
+template <typename Kernel>
+void launch(Kernel kernel, dim3 grid, size_t smem, cudaStream_t stream, const Params& p) {
+  if (smem > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace stieltjes
+}  // namespace hfab

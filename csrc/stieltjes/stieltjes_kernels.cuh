@@ -1,0 +1,627 @@
+// Stieltjes attention on tensor cores (mma.sync m16n8k16, fp16/bf16 in, fp32 accumulate; sm_80 and newer).
+//
+// Math (hf_attention_backends/ops/stieltjes/reference.py): s = scale q k^T over allowed keys (causal bottom-right
+// aligned: query i sees key j <= i + Nk - Nq; key padding; GQA query head h reads kv head h / groups),
+// x = s - rowmax, lambda solves sum_j (lambda - x_j)^(-order) = 1 (Newton on f^(-1/order) - 1 from
+// max(1, n^(1/order) + mean x), newton_iter steps, clamp >= 1: the reference's solver step for step),
+// P = (lambda - x)^(-order), out = P v / sum P. Backward at the saved lambda (implicit function theorem):
+// r = (lambda - x)^(-order-1), delta = sum dP r / sum r, dS = order r (dP - delta), dq = scale dS k,
+// dk = scale dS^T q, dv = (P / sum P)^T dO. Rows with no allowed key: out 0, rowmax 0, lambda 1, no gradient.
+//
+// Kernels (128 threads = 4 warps, each warp owns 16 rows of the block; tiles in dynamic shared memory):
+//   stieltjes_fwd_kernel  (query block of 64, q head, batch): Q fragments stay in registers; sweeps over
+//                         the key tiles: stats (max, count, sum), newton_iter Newton sweeps, output sweep
+//   stieltjes_dq_kernel   (query block of 64, q head, batch): sweep 1 delta and sum P (to scratch),
+//                         sweep 2 dq = scale dS K
+//   stieltjes_dkv_kernel  (key block of 64, kv head, batch): loops over the group's q heads and the query
+//                         tiles: dv = (P / sum P)^T dO, dk = scale dS^T Q; no atomics
+// Products whose left operand is computed in fp32 (P, dS) are split into a 16-bit high part and a 16-bit
+// residual (two mma), so the fp32 value enters the product to ~2^-16 relative instead of 2^-8 (bf16).
+#pragma once
+
+#include <cstdint>
+
+#include "common/tile.cuh"
+
+namespace hfab {
+namespace stieltjes {
+
+constexpr int kThreads = 128;
+
+struct Strides {
+  long long b, h, n;  // in elements; the head dim is contiguous
+};
+
+struct Params {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;
+  const unsigned char* kpm;  // (B, Nk) bool, element (b, j) at b * kpm_sb + j * kpm_sn; nullptr = none
+  long long kpm_sb, kpm_sn;
+  float* rowmax;  // (B, Hq, Nq) contiguous: forward writes, backward reads
+  float* lam;
+  float* delta;   // (B, Hq, Nq) contiguous backward scratch: delta and sum_j P_ij
+  float* lsum;
+  void* o;        // forward: out; backward: dq   (B, Hq, Nq, D) contiguous
+  void* dk;       // (B, Hkv, Nk, D) contiguous
+  void* dv;
+  Strides sq, sk, sv, sdo;
+  int hq, groups, nq, nk, newton_iter;
+  float scale, order;
+  int causal;
+};
+
+// ROWS x D 16-bit elements, rows padded by 8 elements (16 bytes): fragment loads and ldmatrix rows of
+// 8 consecutive rows fall on distinct banks.
+template <int ROWS, int D> struct HTile {
+  uint16_t h[ROWS][D + 8];
+};
+
+template <typename T> struct Mma;
+template <> struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <> struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ uint32_t lds32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Four 8x8 16-bit matrices transposed: lane l gives the address of row (l % 8) of matrix l / 8.
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ float rcp_approx(float x) {  // rcp(+inf) = +0
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// p = y^(-order), r = y^(-order-1) for y >= 1 (y = +inf gives 0, 0). IORD: 2 or 4 fast paths (one MUFU),
+// 0 = any order (three MUFU).
+template <int IORD>
+__device__ __forceinline__ void powers(float y, float order, float& p, float& r) {
+  const float inv = rcp_approx(y);
+  if constexpr (IORD == 4) {
+    const float i2 = inv * inv;
+    p = i2 * i2;
+  } else if constexpr (IORD == 2) {
+    p = inv * inv;
+  } else {
+    p = exp2f(-order * __log2f(y));
+  }
+  r = p * inv;
+}
+
+// Rows [row0, row0 + ROWS) of a matrix with D contiguous elements per row, `stride` elements apart; rows >= n
+// are zero. Needs a 16-byte aligned base and stride % 8 == 0 (the host checks).
+template <int ROWS, int D, typename T>
+__device__ __forceinline__ void load_rows(HTile<ROWS, D>& t, const T* base, long long stride, int row0, int n) {
+  constexpr int kChunks = D / 8;
+  for (int c = threadIdx.x; c < ROWS * kChunks; c += kThreads) {
+    const int r = c / kChunks, k = c % kChunks;
+    *reinterpret_cast<uint4*>(&t.h[r][8 * k]) = load_chunk(base, stride, row0 + r, k, n);
+  }
+}
+
+// The same with cp.async (16 bytes per chunk, rows >= n zero-filled): completes at cp_async_wait.
+template <int ROWS, int D, typename T>
+__device__ __forceinline__ void load_rows_async(HTile<ROWS, D>& t, const T* base, long long stride, int row0, int n) {
+  constexpr int kChunks = D / 8;
+  for (int c = threadIdx.x; c < ROWS * kChunks; c += kThreads) {
+    const int r = c / kChunks, k = c % kChunks;
+    const bool valid = row0 + r < n;
+    const T* src = valid ? base + (long long)(row0 + r) * stride + 8 * k : base;
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&t.h[r][8 * k]));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// A fragments (16 x D, row-major rows [r0, r0 + 16) of t), one per 16-column chunk.
+template <int ROWS, int D>
+__device__ __forceinline__ void a_frags(uint32_t (&a)[D / 16][4], const HTile<ROWS, D>& t, int r0, int lane) {
+  const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) {
+    a[kc][0] = lds32(&t.h[r0 + g][16 * kc + c]);
+    a[kc][1] = lds32(&t.h[r0 + g + 8][16 * kc + c]);
+    a[kc][2] = lds32(&t.h[r0 + g][16 * kc + c + 8]);
+    a[kc][3] = lds32(&t.h[r0 + g + 8][16 * kc + c + 8]);
+  }
+}
+
+// acc (16 x 8*NT) = A (16 x D, fragments) . B^T with B rows [0, 8*NT) of t (row-major, D columns).
+template <int NT, int ROWS, int D, typename T>
+__device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const uint32_t (&a)[D / 16][4], const HTile<ROWS, D>& t,
+                                        int lane) {
+  const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+      Mma<T>::run(acc[j], a[kc], lds32(&t.h[8 * j + g][16 * kc + c]), lds32(&t.h[8 * j + g][16 * kc + c + 8]));
+}
+
+// The same with A rows [r0, r0 + 16) of a shared tile (fragments loaded per 16-column chunk).
+template <int NT, int RA, int ROWS, int D, typename T>
+__device__ __forceinline__ void mma_abt_smem(float (&acc)[NT][4], const HTile<RA, D>& ta, int r0,
+                                             const HTile<ROWS, D>& t, int lane) {
+  const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) {
+    const uint32_t a[4] = {lds32(&ta.h[r0 + g][16 * kc + c]), lds32(&ta.h[r0 + g + 8][16 * kc + c]),
+                           lds32(&ta.h[r0 + g][16 * kc + c + 8]), lds32(&ta.h[r0 + g + 8][16 * kc + c + 8])};
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+      Mma<T>::run(acc[j], a, lds32(&t.h[8 * j + g][16 * kc + c]), lds32(&t.h[8 * j + g][16 * kc + c + 8]));
+  }
+}
+
+// acc (16 x D) += X (16 x 8*NT, fp32 accumulator layout) . B with B = t rows [0, 8*NT) (row-major, D columns).
+// X enters as a 16-bit high part plus a 16-bit residual.
+template <int NT, int ROWS, int D, typename T>
+__device__ __forceinline__ void mma_xb(float (&acc)[D / 8][4], const float (&x)[NT][4], const HTile<ROWS, D>& t,
+                                      int lane) {
+  static_assert(NT % 2 == 0 && 8 * NT <= ROWS, "tile shapes");
+  const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lcol = (lane >> 4) * 8;
+#pragma unroll
+  for (int kc = 0; kc < NT / 2; ++kc) {
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // e: (row g, keys 0-7), (row g+8, 0-7), (row g, 8-15), (row g+8, 8-15)
+      const float x0 = x[2 * kc + e / 2][2 * (e % 2)], x1 = x[2 * kc + e / 2][2 * (e % 2) + 1];
+      hi[e] = Pair<T>::from_float2(make_float2(x0, x1));
+      const float2 back = Pair<T>::to_float2(hi[e]);
+      lo[e] = Pair<T>::from_float2(make_float2(x0 - back.x, x1 - back.y));
+    }
+#pragma unroll
+    for (int dn = 0; dn < D / 16; ++dn) {
+      uint32_t b[4];
+      ldsm_x4_trans(b, &t.h[16 * kc + lrow][16 * dn + lcol]);
+      Mma<T>::run(acc[2 * dn], hi, b[0], b[1]);
+      Mma<T>::run(acc[2 * dn + 1], hi, b[2], b[3]);
+      Mma<T>::run(acc[2 * dn], lo, b[0], b[1]);
+      Mma<T>::run(acc[2 * dn + 1], lo, b[2], b[3]);
+    }
+  }
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ bool key_ok(const Params& p, int b, int j) {
+  return j < p.nk && (p.kpm == nullptr || p.kpm[b * p.kpm_sb + j * p.kpm_sn]);
+}
+
+// Last key (exclusive) that any query in [q0, q0 + rows) may see.
+__device__ __forceinline__ int key_end(const Params& p, int q0, int rows) {
+  if (!p.causal) return p.nk;
+  const int last_q = min(q0 + rows, p.nq) - 1;
+  return max(0, min(p.nk, last_q + (p.nk - p.nq) + 1));
+}
+
+// True when every (query, key) pair of queries [q0, q0 + rows) x keys [k0, k0 + cols) exists and is allowed.
+__device__ __forceinline__ bool all_allowed(const Params& p, int q0, int rows, int k0, int cols) {
+  return p.kpm == nullptr && q0 + rows <= p.nq && k0 + cols <= p.nk &&
+         (!p.causal || k0 + cols - 1 <= q0 + p.nk - p.nq);
+}
+
+// Accumulator of 16 query rows (r0 + g, r0 + g + 8) x 8*NT keys from k0: scaled scores, -inf where not allowed.
+template <int NT>
+__device__ __forceinline__ void mask_rows(float (&s)[NT][4], const Params& p, const float* kbias, int r0, int k0,
+                                          int lane) {
+  const int g = lane / 4, c = 2 * (lane % 4), off = p.nk - p.nq;
+  if (all_allowed(p, r0, 16, k0, 8 * NT)) {  // warp-uniform: interior tiles skip the per-element mask
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] *= p.scale;
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = r0 + g + 8 * (e / 2), col = 8 * j + c + (e % 2);
+      const bool ok = i < p.nq && (!p.causal || k0 + col <= i + off);
+      s[j][e] = ok ? s[j][e] * p.scale + kbias[col] : -inf();
+    }
+}
+
+template <int BK>
+__device__ __forceinline__ void load_bias(float* kbias, const Params& p, int b, int k0) {
+  for (int c = threadIdx.x; c < BK; c += kThreads) kbias[c] = key_ok(p, b, k0 + c) ? 0.f : -inf();
+}
+
+template <int D> struct FwdCfg {
+  static constexpr int BQ = 64, BK = 64;
+  static constexpr int kMinBlocks = D <= 64 ? 3 : 2;  // per SM: caps registers at 170 (D <= 64) / 255
+  struct Smem {  // key tiles double-buffered (cp.async prefetch of the next tile)
+    HTile<BK, D> k[2];
+    union {
+      HTile<BQ, D> q;  // read into registers before the first key tile
+      HTile<BK, D> v[2];
+    } u;
+    float kbias[2][BK];
+  };
+};
+
+template <typename T, int D, int IORD>
+__global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd_kernel(const Params p) {
+  using Cfg = FwdCfg<D>;
+  constexpr int BQ = Cfg::BQ, BK = Cfg::BK, NT = BK / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // longest causal blocks first
+  const int h = blockIdx.y, b = blockIdx.z, kvh = h / p.groups;
+  const int r0 = q0 + 16 * warp;
+  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
+  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h;
+  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h;
+  const float order = p.order, inv_order = 1.f / p.order;
+
+  load_rows(sm.u.q, q, p.sq.n, q0, p.nq);
+  __syncthreads();
+  uint32_t qf[D / 16][4];
+  a_frags(qf, sm.u.q, 16 * warp, lane);
+
+  const int tiles = (key_end(p, q0, BQ) + BK - 1) / BK;
+  auto issue = [&](bool with_v, int tile) {
+    const int buf = tile & 1, k0 = tile * BK;
+    load_rows_async(sm.k[buf], k, p.sk.n, k0, p.nk);
+    if (with_v) load_rows_async(sm.u.v[buf], v, p.sv.n, k0, p.nk);
+    load_bias<BK>(sm.kbias[buf], p, b, k0);
+  };
+  auto sweep = [&](bool with_v, auto&& body) {
+    if (tiles == 0) return;
+    __syncthreads();  // readers of the previous sweep's buffers (and of q, aliased with v) are done
+    issue(with_v, 0);
+    for (int tile = 0; tile < tiles; ++tile) {
+      const int buf = tile & 1;
+      cp_async_wait_all();
+      __syncthreads();  // tile `tile` has landed for every thread; tile - 1's readers are done
+      if (tile + 1 < tiles) issue(with_v, tile + 1);  // overwrites the buffer tile - 1 used
+      float s[NT][4];
+      mma_abt<NT, BK, D, T>(s, qf, sm.k[buf], lane);
+      mask_rows(s, p, sm.kbias[buf], r0, tile * BK, lane);
+      body(s, buf);
+    }
+  };
+
+  // rows r0 + g (index 0) and r0 + g + 8 (index 1) of this thread
+  float m[2] = {-inf(), -inf()}, cnt[2] = {0.f, 0.f}, sum[2] = {0.f, 0.f};
+  sweep(false, [&](float (&s)[NT][4], int) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (s[j][e] != -inf()) {
+          m[e / 2] = fmaxf(m[e / 2], s[j][e]);
+          cnt[e / 2] += 1.f;
+          sum[e / 2] += s[j][e];
+        }
+  });
+  float lam[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m[r] = quad_max(m[r]);
+    cnt[r] = quad_sum(cnt[r]);
+    sum[r] = quad_sum(sum[r]);
+    if (cnt[r] == 0.f) m[r] = 0.f;  // empty row: every score is -inf, x stays -inf
+    lam[r] = cnt[r] > 0.f ? fmaxf(1.f, exp2f(__log2f(cnt[r]) * inv_order) + (sum[r] / cnt[r] - m[r])) : 1.f;
+  }
+
+  for (int it = 0; it < p.newton_iter; ++it) {
+    float f[2] = {0.f, 0.f}, s1[2] = {0.f, 0.f};
+    sweep(false, [&](float (&s)[NT][4], int) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float pp, rr;
+          powers<IORD>(lam[e / 2] - (s[j][e] - m[e / 2]), order, pp, rr);
+          f[e / 2] += pp;
+          s1[e / 2] += rr;
+        }
+    });
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      f[r] = quad_sum(f[r]);
+      s1[r] = quad_sum(s1[r]);
+      if (cnt[r] > 0.f) lam[r] = fmaxf(1.f, lam[r] + f[r] * (exp2f(__log2f(f[r]) * inv_order) - 1.f) / s1[r]);
+    }
+  }
+
+  float o[D / 8][4], l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int c = 0; c < D / 8; ++c) o[c][0] = o[c][1] = o[c][2] = o[c][3] = 0.f;
+  sweep(true, [&](float (&s)[NT][4], int buf) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pp, rr;
+        powers<IORD>(lam[e / 2] - (s[j][e] - m[e / 2]), order, pp, rr);
+        s[j][e] = pp;
+        l[e / 2] += pp;
+      }
+    mma_xb<NT, BK, D, T>(o, s, sm.u.v[buf], lane);
+  });
+
+  const int g = lane / 4, c = 2 * (lane % 4);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] = quad_sum(l[r]);
+    const int i = r0 + g + 8 * r;
+    if (i >= p.nq) continue;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    T* out = static_cast<T*>(p.o) + ((long long)(b * p.hq + h) * p.nq + i) * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<unsigned*>(out + 8 * dt + c) =
+          Pair<T>::from_float2(make_float2(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv));
+    if (lane % 4 == 0) {
+      const long long row = (long long)(b * p.hq + h) * p.nq + i;
+      p.rowmax[row] = m[r];
+      p.lam[row] = lam[r];
+    }
+  }
+}
+
+template <int D> struct DqCfg {
+  static constexpr int BQ = 64, BK = D == 128 ? 32 : 64;
+  struct Smem {
+    union {
+      struct {
+        HTile<BQ, D> q, dout;  // read into registers before the first key tile
+      } qd;
+      struct {
+        HTile<BK, D> k, v;
+      } kv[2];  // double-buffered (cp.async prefetch of the next tile)
+    } u;
+    float kbias[2][BK];
+  };
+};
+
+template <typename T, int D, int IORD>
+__global__ void __launch_bounds__(kThreads, 1) stieltjes_dq_kernel(const Params p) {
+  using Cfg = DqCfg<D>;
+  constexpr int BQ = Cfg::BQ, BK = Cfg::BK, NT = BK / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = 2 * (lane % 4);
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+  const int h = blockIdx.y, b = blockIdx.z, kvh = h / p.groups;
+  const int r0 = q0 + 16 * warp;
+  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
+  const T* dout = static_cast<const T*>(p.dout) + b * p.sdo.b + h * p.sdo.h;
+  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h;
+  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h;
+  const float order = p.order;
+  const long long row_base = (long long)(b * p.hq + h) * p.nq;
+
+  load_rows(sm.u.qd.q, q, p.sq.n, q0, p.nq);
+  load_rows(sm.u.qd.dout, dout, p.sdo.n, q0, p.nq);
+  __syncthreads();
+  uint32_t qf[D / 16][4], df[D / 16][4];
+  a_frags(qf, sm.u.qd.q, 16 * warp, lane);
+  a_frags(df, sm.u.qd.dout, 16 * warp, lane);
+  float m[2], lam[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = r0 + g + 8 * r;
+    m[r] = i < p.nq ? p.rowmax[row_base + i] : 0.f;
+    lam[r] = i < p.nq ? p.lam[row_base + i] : 1.f;
+  }
+
+  const int tiles = (key_end(p, q0, BQ) + BK - 1) / BK;
+  auto issue = [&](int tile) {
+    const int buf = tile & 1, k0 = tile * BK;
+    load_rows_async(sm.u.kv[buf].k, k, p.sk.n, k0, p.nk);
+    load_rows_async(sm.u.kv[buf].v, v, p.sv.n, k0, p.nk);
+    load_bias<BK>(sm.kbias[buf], p, b, k0);
+  };
+  auto sweep = [&](auto&& body) {
+    if (tiles == 0) return;
+    __syncthreads();  // readers of the previous sweep's buffers (and of q, dout, aliased) are done
+    issue(0);
+    for (int tile = 0; tile < tiles; ++tile) {
+      const int buf = tile & 1;
+      cp_async_wait_all();
+      __syncthreads();  // tile `tile` has landed for every thread; tile - 1's readers are done
+      if (tile + 1 < tiles) issue(tile + 1);
+      float s[NT][4], dp[NT][4];
+      mma_abt<NT, BK, D, T>(s, qf, sm.u.kv[buf].k, lane);
+      mma_abt<NT, BK, D, T>(dp, df, sm.u.kv[buf].v, lane);
+      mask_rows(s, p, sm.kbias[buf], r0, tile * BK, lane);
+      body(s, dp, buf);
+    }
+  };
+
+  float sr[2] = {0.f, 0.f}, sdr[2] = {0.f, 0.f}, sp[2] = {0.f, 0.f};
+  sweep([&](float (&s)[NT][4], float (&dp)[NT][4], int) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pp, rr;
+        powers<IORD>(lam[e / 2] - (s[j][e] - m[e / 2]), order, pp, rr);
+        sr[e / 2] += rr;
+        sdr[e / 2] = fmaf(dp[j][e], rr, sdr[e / 2]);
+        sp[e / 2] += pp;
+      }
+  });
+  float delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    sr[r] = quad_sum(sr[r]);
+    sdr[r] = quad_sum(sdr[r]);
+    sp[r] = quad_sum(sp[r]);
+    delta[r] = sr[r] > 0.f ? sdr[r] / sr[r] : 0.f;
+    const int i = r0 + g + 8 * r;
+    if (i < p.nq && lane % 4 == 0) {
+      p.delta[row_base + i] = delta[r];
+      p.lsum[row_base + i] = sp[r];
+    }
+  }
+
+  float dq[D / 8][4];
+#pragma unroll
+  for (int t = 0; t < D / 8; ++t) dq[t][0] = dq[t][1] = dq[t][2] = dq[t][3] = 0.f;
+  sweep([&](float (&s)[NT][4], float (&dp)[NT][4], int buf) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pp, rr;
+        powers<IORD>(lam[e / 2] - (s[j][e] - m[e / 2]), order, pp, rr);
+        s[j][e] = order * rr * (dp[j][e] - delta[e / 2]);
+      }
+    mma_xb<NT, BK, D, T>(dq, s, sm.u.kv[buf].k, lane);
+  });
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = r0 + g + 8 * r;
+    if (i >= p.nq) continue;
+    T* out = static_cast<T*>(p.o) + (row_base + i) * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      *reinterpret_cast<unsigned*>(out + 8 * dt + c) =
+          Pair<T>::from_float2(make_float2(dq[dt][2 * r] * p.scale, dq[dt][2 * r + 1] * p.scale));
+  }
+}
+
+template <int D> struct DkvCfg {
+  static constexpr int BK = 64, BQ = D == 128 ? 16 : 64;
+  struct Smem {  // query tiles and their row state double-buffered (cp.async prefetch of the next tile)
+    HTile<BK, D> k, v;
+    HTile<BQ, D> q[2], dout[2];
+    float m[2][BQ], lam[2][BQ], inv_l[2][BQ], delta[2][BQ];
+  };
+};
+
+template <typename T, int D, int IORD>
+__global__ void __launch_bounds__(kThreads, 1) stieltjes_dkv_kernel(const Params p) {
+  using Cfg = DkvCfg<D>;
+  constexpr int BK = Cfg::BK, BQ = Cfg::BQ, NT = BQ / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = 2 * (lane % 4);
+  const int k0 = blockIdx.x * BK;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int kr0 = 16 * warp;  // this warp's keys k0 + kr0 + [0, 16)
+  const int off = p.nk - p.nq;
+  const float order = p.order;
+  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h;
+  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h;
+
+  load_rows(sm.k, k, p.sk.n, k0, p.nk);
+  load_rows(sm.v, v, p.sv.n, k0, p.nk);
+  const int key[2] = {k0 + kr0 + g, k0 + kr0 + g + 8};
+  const float kbias[2] = {key_ok(p, b, key[0]) ? 0.f : -inf(), key_ok(p, b, key[1]) ? 0.f : -inf()};
+
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int t = 0; t < D / 8; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[t][e] = dv[t][e] = 0.f;
+
+  // query tiles (q head of the group, query block), causal: from the first block that sees key k0
+  const int first = p.causal ? max(0, k0 - off) / BQ * BQ : 0;
+  const int per_head = p.nq > first ? (p.nq - first + BQ - 1) / BQ : 0, tiles = p.groups * per_head;
+  auto issue = [&](int tile) {
+    const int buf = tile & 1, h = kvh * p.groups + tile / per_head, q0 = first + (tile % per_head) * BQ;
+    load_rows_async(sm.q[buf], static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h, p.sq.n, q0, p.nq);
+    load_rows_async(sm.dout[buf], static_cast<const T*>(p.dout) + b * p.sdo.b + h * p.sdo.h, p.sdo.n, q0, p.nq);
+    const long long row_base = (long long)(b * p.hq + h) * p.nq;
+    for (int cq = threadIdx.x; cq < BQ; cq += kThreads) {
+      const int i = q0 + cq;
+      const bool in = i < p.nq;
+      sm.m[buf][cq] = in ? p.rowmax[row_base + i] : 0.f;
+      sm.lam[buf][cq] = in ? p.lam[row_base + i] : 1.f;
+      const float l = in ? p.lsum[row_base + i] : 0.f;
+      sm.inv_l[buf][cq] = l > 0.f ? 1.f / l : 0.f;
+      sm.delta[buf][cq] = in ? p.delta[row_base + i] : 0.f;
+    }
+  };
+  if (tiles > 0) issue(0);
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int buf = tile & 1, q0 = first + (tile % per_head) * BQ;
+    cp_async_wait_all();
+    __syncthreads();  // tile `tile` (and k, v) visible to every thread; tile - 1's readers are done
+    if (tile + 1 < tiles) issue(tile + 1);  // overwrites the buffers tile - 1 used
+    const float* m = sm.m[buf];
+    const float* lam = sm.lam[buf];
+    const float* inv_l = sm.inv_l[buf];
+    const float* delta = sm.delta[buf];
+    float s[NT][4], dp[NT][4];  // rows: keys; columns: queries q0 + [0, BQ)
+    mma_abt_smem<NT, BK, BQ, D, T>(s, sm.k, kr0, sm.q[buf], lane);
+    mma_abt_smem<NT, BK, BQ, D, T>(dp, sm.v, kr0, sm.dout[buf], lane);
+    const bool interior = all_allowed(p, q0, BQ, k0 + kr0, 16);  // warp-uniform
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int cq = 8 * j + c + (e % 2), i = q0 + cq;
+        const bool ok = interior || (i < p.nq && (!p.causal || key[e / 2] <= i + off));
+        const float x = ok ? s[j][e] * p.scale + kbias[e / 2] - m[cq] : -inf();
+        float pp, rr;
+        powers<IORD>(lam[cq] - x, order, pp, rr);
+        s[j][e] = pp * inv_l[cq];
+        dp[j][e] = order * rr * (dp[j][e] - delta[cq]);
+      }
+    mma_xb<NT, BQ, D, T>(dv, s, sm.dout[buf], lane);
+    mma_xb<NT, BQ, D, T>(dk, dp, sm.q[buf], lane);
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (key[r] >= p.nk) continue;
+    const long long row = ((long long)b * (p.hq / p.groups) + kvh) * p.nk + key[r];
+    T* dkr = static_cast<T*>(p.dk) + row * D;
+    T* dvr = static_cast<T*>(p.dv) + row * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      *reinterpret_cast<unsigned*>(dkr + 8 * dt + c) =
+          Pair<T>::from_float2(make_float2(dk[dt][2 * r] * p.scale, dk[dt][2 * r + 1] * p.scale));
+      *reinterpret_cast<unsigned*>(dvr + 8 * dt + c) =
+          Pair<T>::from_float2(make_float2(dv[dt][2 * r], dv[dt][2 * r + 1]));
+    }
+  }
+}
+
+}  // namespace stieltjes
+}  // namespace hfab
