@@ -1,4 +1,10 @@
 """Helpers shared by the GPU tests of the kernels (tests/ops/test_*_cuda.py)."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
 import torch
 
 DEV = "cuda"
@@ -59,3 +65,15 @@ def replay_in_cuda_graph(fn):
     graph.replay()
     torch.cuda.synchronize()
     return captured
+
+
+SANITIZER = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+
+
+def assert_sanitizer_clean(tool: str, script: str) -> None:
+    """Run ``script`` (Python source) under compute-sanitizer's ``tool``; fail on any report it makes."""
+    if not os.path.exists(SANITIZER):
+        pytest.skip(f"compute-sanitizer not found (PATH, {SANITIZER})")
+    res = subprocess.run([SANITIZER, "--tool", tool, "--error-exitcode", "1", sys.executable, "-c", script],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
