@@ -123,6 +123,9 @@ def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int = 6
     Returns:
         (B, Hq, N, D) in q.dtype, computed in fp32 (fp64 for fp64). Differentiable in q, k, v and
         conv_weight (exact gradient through every Newton–Schulz iterate).
+
+    CUDA tensors run the kernels of csrc/nystrom: float16 and bfloat16, head dims 32/64/128,
+    num_landmarks <= 128, newton_iter <= 20 (anything else raises a clear error there).
     """
     key_padding_mask, kappa_star, scale = _check_args(q, k, v, num_landmarks, newton_iter, kappa_star, conv_weight,
                                                       scale, key_padding_mask)

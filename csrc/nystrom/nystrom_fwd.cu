@@ -1,0 +1,38 @@
+// CUDA impl of hfab::nystrom_fwd (schema in hf_attention_backends/ops/nystrom/op.py).
+#include <torch/library.h>
+
+#include "nystrom/nystrom_host.cuh"
+
+namespace hfab {
+namespace nystrom {
+namespace {
+
+at::Tensor nystrom_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& conv_weight,
+                            const std::optional<at::Tensor>& key_padding_mask, int64_t num_landmarks,
+                            int64_t newton_iter, double kappa_star, double scale) {
+  constexpr const char* kOp = "hfab::nystrom_fwd";
+  Inputs in = prepare(kOp, q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star, scale);
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() == 0) return out;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  dispatch(q, [&](auto tag, auto dim) {
+    using T = typename decltype(tag)::type;
+    constexpr int D = decltype(dim)::value;
+    State st = landmark_state<T, D>(in, stream);
+    finish_state(in, st, st.nystrom ? k3_values<T, D>(in, stream) : at::Tensor());
+    in.p.out = out.data_ptr();
+    const dim3 grid(static_cast<unsigned>(div_up(in.n, OutTiles<D>::BQ)), static_cast<unsigned>(in.hq),
+                    static_cast<unsigned>(in.batch));
+    nystrom_out_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(in.p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });  // st's buffers live until the output kernel is queued; the caching allocator orders their reuse
+  return out;
+}
+
+}  // namespace
+}  // namespace nystrom
+}  // namespace hfab
+
+TORCH_LIBRARY_IMPL(hfab, CUDA, m) { m.impl("nystrom_fwd", &hfab::nystrom::nystrom_fwd_cuda); }

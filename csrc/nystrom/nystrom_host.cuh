@@ -1,0 +1,381 @@
+// Host side of the Nyström kernels shared by nystrom_fwd.cu and nystrom_bwd.cu: validation at the op
+// boundary (clear errors naming the argument, its value and what is supported), the per-sequence state
+// (real-token positions, landmarks, K2, Newton–Schulz, the key/value buffers of the output kernel) and the
+// m x m work in ATen fp32 on the current stream.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/eye.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "common/host.cuh"
+#include "nystrom/nystrom_kernels.cuh"
+
+namespace hfab {
+namespace nystrom {
+
+constexpr int64_t kMaxLandmarks = 128;
+constexpr int64_t kMaxNewtonIter = 20;
+constexpr int64_t kTargetBlocks = 264;  // K3 splits: about two blocks per SM of an H100/H200
+constexpr int64_t kMaxSplits = 1024;
+
+// Validated inputs; keeps the (possibly copied) tensors alive.
+struct Inputs {
+  at::Tensor q, k, v, mask, conv;  // mask, conv undefined when absent; conv fp32 (Hq, ks) contiguous
+  int64_t batch = 0, hq = 0, hkv = 0, groups = 1, n = 0, d = 0, m = 0;
+  int iters = 0;
+  at::ScalarType conv_dtype = at::kFloat;  // conv_weight's own dtype (of its gradient)
+  double kappa = 0.0, root = 1.0;
+  Params p{};
+};
+
+inline Strides strides_of(const at::Tensor& t) { return Strides{t.stride(0), t.stride(1), t.stride(2)}; }
+
+inline int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& conv_weight, const std::optional<at::Tensor>& key_padding_mask,
+                      int64_t num_landmarks, int64_t newton_iter, double kappa_star, double scale) {
+  const c10::Device device = q.device();
+  check_on_device(op, "q", q, device);
+  check_on_device(op, "k", k, device);
+  check_on_device(op, "v", v, device);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must have 4 dims (B, H, N, D), got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(3) == k.size(3), op, ": q ", q.sizes(),
+              " and k ", k.sizes(), " must agree in batch size, sequence length (self-attention) and head dim");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op, ": query heads Hq=", q.size(1),
+              " must be a multiple of key/value heads Hkv=", k.size(1));
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
+              ": q, k, v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, op, " (CUDA kernel): dtype ", dtype,
+              " is not supported; supported: float16, bfloat16. Cast q, k, v, or run on the CPU reference");
+  const int major = compute_capability_major(device);
+  TORCH_CHECK(major >= 8, op, " (CUDA kernel): needs an sm_80 or newer GPU; ", device, " is sm_", major,
+              "x. Run the CPU reference instead");
+  const int64_t d = q.size(3);
+  TORCH_CHECK(d == 32 || d == 64 || d == 128, op, " (CUDA kernel): head dim D=", d,
+              " is not supported; supported: 32, 64, 128");
+  TORCH_CHECK(num_landmarks >= 1 && num_landmarks <= kMaxLandmarks, op, " (CUDA kernel): num_landmarks=",
+              num_landmarks, " is not supported; supported: 1..", kMaxLandmarks, ". Use the CPU reference for more");
+  TORCH_CHECK(newton_iter >= 0 && newton_iter <= kMaxNewtonIter, op, " (CUDA kernel): newton_iter=", newton_iter,
+              " is not supported; supported: 0..", kMaxNewtonIter);
+  TORCH_CHECK(kappa_star >= 0.0 && std::isfinite(kappa_star), op, ": kappa_star=", kappa_star,
+              " is not supported; supported: a finite number >= 0 (0 = plain Newton–Schulz)");
+  TORCH_CHECK(scale > 0.0 && std::isfinite(scale), op, ": scale=", scale, " must be a finite positive number");
+  TORCH_CHECK(q.size(0) <= 65535 && q.size(1) + k.size(1) <= 65535 && q.size(0) * q.size(1) <= 65535, op, ": B=",
+              q.size(0), ", Hq=", q.size(1), ", Hkv=", k.size(1),
+              " exceed the CUDA grid limits (B <= 65535, Hq + Hkv <= 65535, B * Hq <= 65535)");
+  TORCH_CHECK(q.size(2) < (int64_t{1} << 30), op, ": sequence length must be < 2^30, got N=", q.size(2));
+
+  Inputs in;
+  in.q = vector_readable(q);
+  in.k = vector_readable(k);
+  in.v = vector_readable(v);
+  in.batch = q.size(0);
+  in.hq = q.size(1);
+  in.hkv = k.size(1);
+  in.groups = in.hq / in.hkv;
+  in.n = q.size(2);
+  in.d = d;
+  in.m = num_landmarks;
+  in.iters = static_cast<int>(newton_iter);
+  in.kappa = kappa_star;
+  in.root = std::sqrt(scale);
+  Params& p = in.p;
+  if (conv_weight.has_value() && conv_weight->defined()) {
+    const at::Tensor& w = *conv_weight;
+    check_on_device(op, "conv_weight", w, device);
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == in.hq && w.size(1) % 2 == 1, op, ": conv_weight.shape=", w.sizes(),
+                " is not supported; supported: (Hq, ks) = (", in.hq, ", ks) with ks odd");
+    TORCH_CHECK(w.is_floating_point(), op, ": conv_weight.dtype=", w.scalar_type(), " must be floating point");
+    in.conv = w.to(at::kFloat).contiguous();
+    in.conv_dtype = w.scalar_type();
+    p.conv = in.conv.data_ptr<float>();
+    p.ks = static_cast<int>(w.size(1));
+  }
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    const at::Tensor& m = *key_padding_mask;
+    check_on_device(op, "key_padding_mask", m, device);
+    TORCH_CHECK(m.scalar_type() == at::kBool, op, ": key_padding_mask.dtype=", m.scalar_type(),
+                "; supported: torch.bool (True = real token)");
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == k.size(0) && m.size(1) == k.size(2), op, ": key_padding_mask.shape=",
+                m.sizes(), "; expected (B, N)=(", k.size(0), ", ", k.size(2), ")");
+    in.mask = m.contiguous();
+    p.mask = reinterpret_cast<const unsigned char*>(in.mask.data_ptr());
+    p.mask_stride = in.n;
+  }
+  p.q = in.q.data_ptr();
+  p.k = in.k.data_ptr();
+  p.v = in.v.data_ptr();
+  p.sq = strides_of(in.q);
+  p.sk = strides_of(in.k);
+  p.sv = strides_of(in.v);
+  p.hq = static_cast<int>(in.hq);
+  p.hkv = static_cast<int>(in.hkv);
+  p.groups = static_cast<int>(in.groups);
+  p.n = static_cast<int>(in.n);
+  p.m = static_cast<int>(in.m);
+  p.root = static_cast<float>(in.root);
+  return in;
+}
+
+template <typename T> struct Tag { using type = T; };
+
+// fn(Tag<T>{}, std::integral_constant<int, D>{}) for the element type and head dim of `q`.
+template <typename Fn>
+void dispatch(const at::Tensor& q, Fn&& fn) {
+  auto by_dim = [&](auto tag) {
+    switch (q.size(3)) {
+      case 32: return fn(tag, std::integral_constant<int, 32>{});
+      case 64: return fn(tag, std::integral_constant<int, 64>{});
+      default: return fn(tag, std::integral_constant<int, 128>{});  // prepare() allowed only 32, 64, 128
+    }
+  };
+  if (q.scalar_type() == at::kHalf) by_dim(Tag<__half>{});
+  else by_dim(Tag<__nv_bfloat16>{});
+}
+
+// (B, Hkv, R, C) -> (B, Hq, R, C): query head h reads kv head h / groups.
+inline at::Tensor group(const Inputs& in, const at::Tensor& x) {
+  if (in.groups == 1) return x;
+  return x.unsqueeze(2).expand({in.batch, in.hkv, in.groups, x.size(2), x.size(3)})
+      .reshape({in.batch, in.hq, x.size(2), x.size(3)});
+}
+
+// (B, Hq, R, C) -> (B, Hkv, R, C): the sum over each kv head's query heads.
+inline at::Tensor ungroup(const Inputs& in, const at::Tensor& x) {
+  if (in.groups == 1) return x;
+  return x.view({in.batch, in.hkv, in.groups, x.size(2), x.size(3)}).sum(2);
+}
+
+// Softmax over the last dim where `valid` (broadcastable bool); rows with no valid entry are 0.
+inline at::Tensor masked_softmax(const at::Tensor& s, const at::Tensor& valid) {
+  const at::Tensor x = s.masked_fill(valid.logical_not(), -INFINITY);
+  const at::Tensor e = x.sub(x.amax(-1, true).clamp_min(-1e30)).exp();
+  return e.div(e.sum(-1, true).clamp_min(1e-30));
+}
+
+// Newton–Schulz iterates of one batch of matrices (reference.newton_schulz_pinv) and what its VJP needs.
+struct NsSaved {
+  at::Tensor a, s;              // the inverted matrices (..., m, m); ‖a‖₁‖a‖∞ (..., 1, 1)
+  std::vector<at::Tensor> zs;   // Z₀ .. Z_iters
+  at::Tensor k2_input;          // kappa_star > 0: K2 (Z = NS(a) K2ᵀ), else undefined
+};
+
+inline at::Tensor eye_like(const at::Tensor& a) { return at::eye(a.size(-1), a.options()); }
+
+inline void norm_factors(const at::Tensor& a, at::Tensor& col, at::Tensor& row) {
+  col = a.abs().sum(-2).amax(-1);  // max column sum
+  row = a.abs().sum(-1).amax(-1);  // max row sum
+}
+
+inline void ns_forward(const at::Tensor& a, int iters, NsSaved& saved) {
+  at::Tensor col, row;
+  norm_factors(a, col, row);
+  const at::Tensor eye = eye_like(a);
+  saved.a = a;
+  saved.s = col.mul(row).unsqueeze(-1).unsqueeze(-1);
+  at::Tensor z = a.transpose(-1, -2).div(saved.s);
+  saved.zs.assign(1, z);
+  for (int i = 0; i < iters; ++i) {
+    const at::Tensor mz = a.matmul(z);
+    const at::Tensor t1 = eye.mul(7).sub(mz);
+    const at::Tensor t2 = eye.mul(15).sub(mz.matmul(t1));
+    const at::Tensor t3 = eye.mul(13).sub(mz.matmul(t2));
+    z = z.matmul(t3).mul(0.25);
+    saved.zs.push_back(z);
+  }
+}
+
+// Gradient of amax over the last dim (torch's rule: shared evenly among ties); g has one dim less than x.
+inline at::Tensor amax_vjp(const at::Tensor& x, const at::Tensor& g) {
+  const at::Tensor tie = x.eq(x.amax(-1, true)).to(x.scalar_type());
+  return tie.mul(g.unsqueeze(-1).div(tie.sum(-1, true)));
+}
+
+// dA of NS(A) given dZ_iters, through every iterate and the ‖A‖₁‖A‖∞ normalisation of Z₀.
+inline at::Tensor ns_backward(const NsSaved& saved, at::Tensor gz) {
+  const at::Tensor& a = saved.a;
+  const at::Tensor eye = eye_like(a);
+  const at::Tensor at_ = a.transpose(-1, -2);
+  at::Tensor da = at::zeros_like(a);
+  for (int i = static_cast<int>(saved.zs.size()) - 2; i >= 0; --i) {
+    const at::Tensor& z = saved.zs[i];
+    const at::Tensor mz = a.matmul(z);
+    const at::Tensor mzt = mz.transpose(-1, -2);
+    const at::Tensor t1 = eye.mul(7).sub(mz);
+    const at::Tensor t2 = eye.mul(15).sub(mz.matmul(t1));
+    const at::Tensor t3 = eye.mul(13).sub(mz.matmul(t2));
+    const at::Tensor dz = gz.matmul(t3.transpose(-1, -2)).mul(0.25);
+    const at::Tensor dv = z.transpose(-1, -2).matmul(gz).mul(-0.25);  // d(M T2) = -dT3
+    const at::Tensor du = mzt.matmul(dv).neg();                          // d(M T1) = -dT2
+    const at::Tensor dm = dv.matmul(t2.transpose(-1, -2)).add(du.matmul(t1.transpose(-1, -2))).sub(mzt.matmul(du));
+    da = da.add(dm.matmul(z.transpose(-1, -2)));
+    gz = dz.add(at_.matmul(dm));
+  }
+  // Z₀ = Aᵀ / s, s = col · row
+  da = da.add(gz.transpose(-1, -2).div(saved.s));
+  const at::Tensor ds = gz.mul(saved.zs[0]).sum({-1, -2}).neg().div(saved.s.squeeze(-1).squeeze(-1));
+  at::Tensor col, row;
+  norm_factors(a, col, row);
+  const at::Tensor dcol = amax_vjp(a.abs().sum(-2), ds.mul(row));  // (..., m) per column
+  const at::Tensor drow = amax_vjp(a.abs().sum(-1), ds.mul(col));  // (..., m) per row
+  return da.add(a.sign().mul(dcol.unsqueeze(-2).add(drow.unsqueeze(-1))));
+}
+
+// reference.k2_inverse: NS(K2), or NS(K2ᵀK2 + λI) K2ᵀ with λ = ‖K2‖₁‖K2‖∞ / kappa (no gradient through λ).
+inline at::Tensor k2_inverse(const at::Tensor& k2, int iters, double kappa, NsSaved& saved) {
+  if (kappa == 0.0) {
+    ns_forward(k2, iters, saved);
+    return saved.zs.back();
+  }
+  at::Tensor col, row;
+  norm_factors(k2, col, row);
+  const at::Tensor lam = col.mul(row).div(kappa).unsqueeze(-1).unsqueeze(-1);
+  const at::Tensor k2t = k2.transpose(-1, -2);
+  ns_forward(k2t.matmul(k2).add(eye_like(k2).mul(lam)), iters, saved);
+  saved.k2_input = k2;
+  return saved.zs.back().matmul(k2t);
+}
+
+inline at::Tensor k2_inverse_backward(const NsSaved& saved, const at::Tensor& gz) {
+  if (!saved.k2_input.defined()) return ns_backward(saved, gz);
+  const at::Tensor& k2 = saved.k2_input;
+  const at::Tensor da = ns_backward(saved, gz.matmul(k2));  // Z = N K2ᵀ: dN = dZ K2
+  return gz.transpose(-1, -2).matmul(saved.zs.back()).add(k2.matmul(da.add(da.transpose(-1, -2))));
+}
+
+// Per-call state of the attention term.
+struct State {
+  at::Tensor cumsum, n_real, pos;  // int32 (B, N), (B,), (B, N); undefined without a mask
+  bool nystrom = false;            // N > m: a sequence may take the landmark path
+  at::Tensor exact;                // (B,) bool: n <= m (exact softmax attention)
+  at::Tensor q_land, k_land, counts, k_land_g, k2, z, w0;
+  NsSaved ns;
+  int64_t slots = 0;               // rows of the key/value buffers: min(m, N)
+  at::Tensor keys, vals, nvalid;   // (B, Hq, slots, D) fp32 contiguous; (B,) int32
+};
+
+// Real-token positions (with a mask) and, when N > m, the landmarks; fills the kernels' pointers in in.p.
+template <typename T, int D>
+State landmark_state(Inputs& in, cudaStream_t stream) {
+  State st;
+  Params& p = in.p;
+  const auto i32 = in.q.options().dtype(at::kInt);
+  const auto f32 = in.q.options().dtype(at::kFloat);
+  if (in.mask.defined()) {
+    st.cumsum = in.mask.to(at::kInt).cumsum(1, at::kInt).contiguous();
+    st.n_real = st.cumsum.select(1, in.n - 1).contiguous();
+    st.pos = at::zeros({in.batch, in.n}, i32);
+    const int64_t total = in.batch * in.n;
+    nystrom_positions_fwd_kernel<<<static_cast<unsigned>(div_up(total, kThreads)), kThreads, 0, stream>>>(
+        p.mask, p.mask_stride, st.cumsum.data_ptr<int>(), st.pos.data_ptr<int>(), total, p.n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    p.n_real = st.n_real.data_ptr<int>();
+    p.pos = st.pos.data_ptr<int>();
+  }
+  st.nystrom = in.n > in.m;
+  st.slots = std::min(in.m, in.n);
+  if (!st.nystrom) return st;
+  st.q_land = at::empty({in.batch, in.hq, in.m, in.d}, f32);
+  st.k_land = at::empty({in.batch, in.hkv, in.m, in.d}, f32);
+  st.counts = at::empty({in.batch, in.m}, f32);
+  p.q_land = st.q_land.data_ptr<float>();
+  p.k_land = st.k_land.data_ptr<float>();
+  p.counts = st.counts.data_ptr<float>();
+  const dim3 grid(static_cast<unsigned>(in.m), static_cast<unsigned>(in.hq + in.hkv),
+                  static_cast<unsigned>(in.batch));
+  nystrom_landmark_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return st;
+}
+
+// W0 = K3 v (B, Hq, m, D): split-N partials from nystrom_k3_fwd_kernel, merged in a fixed order.
+template <typename T, int D>
+at::Tensor k3_values(Inputs& in, cudaStream_t stream) {
+  Params& p = in.p;
+  constexpr int BL = K3Tiles<D>::BL, BK = K3Tiles<D>::BK;
+  const int64_t bh = in.batch * in.hq, ltiles = div_up(in.m, BL), ktiles = div_up(in.n, BK);
+  int64_t splits = std::min({std::max<int64_t>(div_up(kTargetBlocks, ltiles * bh), 1), ktiles, kMaxSplits});
+  const int64_t chunk = div_up(ktiles, splits) * BK;
+  splits = div_up(in.n, chunk);
+  const auto f32 = in.q.options().dtype(at::kFloat);
+  at::Tensor part_max = at::empty({splits, bh, in.m}, f32);
+  at::Tensor part_sum = at::empty({splits, bh, in.m}, f32);
+  at::Tensor part_acc = at::empty({splits, bh, in.m, in.d}, f32);
+  p.splits = static_cast<int>(splits);
+  p.chunk = static_cast<int>(chunk);
+  p.part_max = part_max.data_ptr<float>();
+  p.part_sum = part_sum.data_ptr<float>();
+  p.part_acc = part_acc.data_ptr<float>();
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(ltiles), static_cast<unsigned>(bh));
+  nystrom_k3_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const at::Tensor top = part_max.amax(0, true).clamp_min(-1e30);  // -inf (no real key anywhere) -> finite
+  const at::Tensor w = part_max.sub(top).exp2();                     // (splits, B Hq, m), 0 for empty splits
+  const at::Tensor den = w.mul(part_sum).sum(0);
+  const at::Tensor num = w.unsqueeze(-1).mul(part_acc).sum(0);
+  return num.div(den.clamp_min(1e-30).unsqueeze(-1)).view({in.batch, in.hq, in.m, in.d});
+}
+
+// K2, Z, W = Z W0 and the output kernel's key/value buffers (landmarks where n > m, real tokens where n <= m).
+inline void finish_state(Inputs& in, State& st, const at::Tensor& w0) {
+  const auto i32 = in.q.options().dtype(at::kInt);
+  const auto i64 = in.q.options().dtype(at::kLong);
+  const bool need_exact = !st.nystrom || in.mask.defined();
+  at::Tensor kg, vg, nvalid_exact;
+  if (need_exact) {  // the first `slots` real tokens of each sequence
+    const at::Tensor gpos = in.mask.defined() ? st.pos.slice(1, 0, st.slots).to(at::kLong)
+                                              : at::arange(st.slots, i64).unsqueeze(0).expand({in.batch, st.slots});
+    const at::Tensor idx = gpos.view({in.batch, 1, st.slots, 1}).expand({in.batch, in.hkv, st.slots, in.d});
+    kg = group(in, in.k.gather(2, idx).to(at::kFloat).mul(in.root));
+    vg = group(in, in.v.gather(2, idx).to(at::kFloat));
+    nvalid_exact = in.mask.defined() ? st.n_real.clamp_max(st.slots).to(at::kInt)
+                                     : at::full({in.batch}, st.slots, i32);
+  }
+  if (!st.nystrom) {
+    st.exact = at::full({in.batch}, true, in.q.options().dtype(at::kBool));
+    st.keys = kg.contiguous();
+    st.vals = vg.contiguous();
+    st.nvalid = nvalid_exact.contiguous();
+  } else {
+    st.w0 = w0;
+    st.k_land_g = group(in, st.k_land);
+    st.k2 = st.q_land.matmul(st.k_land_g.transpose(-1, -2)).softmax(-1);
+    st.z = k2_inverse(st.k2, in.iters, in.kappa, st.ns);
+    const at::Tensor w = st.z.matmul(w0);
+    if (in.mask.defined()) {
+      st.exact = st.n_real.le(in.m);
+      const at::Tensor ex = st.exact.view({in.batch, 1, 1, 1});
+      st.keys = at::where(ex, kg, st.k_land_g).contiguous();
+      st.vals = at::where(ex, vg, w).contiguous();
+      st.nvalid = at::where(st.exact, nvalid_exact, at::full({in.batch}, in.m, i32)).to(at::kInt).contiguous();
+    } else {
+      st.exact = at::full({in.batch}, false, in.q.options().dtype(at::kBool));
+      st.keys = st.k_land_g.contiguous();
+      st.vals = w.contiguous();
+      st.nvalid = at::full({in.batch}, in.m, i32);
+    }
+  }
+  in.p.keys = st.keys.data_ptr<float>();
+  in.p.vals = st.vals.data_ptr<float>();
+  in.p.nvalid = st.nvalid.data_ptr<int>();
+  in.p.slots = static_cast<int>(st.slots);
+}
+
+}  // namespace nystrom
+}  // namespace hfab

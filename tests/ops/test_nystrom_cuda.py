@@ -1,0 +1,275 @@
+"""GPU tests of the Nyström CUDA implementation (csrc/nystrom), against the reference run in float64.
+
+The float64 reference (ops/nystrom/reference.py) is exact math for this op; tests/ops/test_nystrom.py checks it
+against an independent float64 oracle on CPU. Tolerance (tests/tolerance.py): the kernel's error vs float64 must
+be at most FACTOR x the error of the same reference run on the kernel's fp16/bf16 inputs (fp32 compute, result
+rounded to the input dtype, as the kernel does). FACTOR is 3, not 2: Newton–Schulz amplifies fp32 rounding by
+the condition number of K2, and two fp32 computations in different orders get different (equally large) errors.
+Outputs are allocated into NaN-poisoned memory so an element a kernel forgets to write fails the test.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_attention_backends as hfab
+from hf_attention_backends import _ext
+from hf_attention_backends.ops.nystrom import reference
+from tests.inputs import make_padding
+from tests.ops.cuda_helpers import make_inputs, poison, replay_in_cuda_graph, strided_mask, strided_views
+from tests.tolerance import assert_close_to_oracle
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+FACTOR = 3.0
+FLOOR = 1e-5  # fp32 residue where the exact value is 0 (e.g. dk of a single real key)
+
+
+def make_conv(hq, ks, dtype, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(hq, ks, device=DEV, generator=g) * 0.3).to(dtype)
+
+
+def run_kernel(q, k, v, dout, *, m, iters, kappa, conv, mask, scale):
+    """out from hfab::nystrom_fwd and (dq, dk, dv, dconv) from hfab::nystrom_bwd, into poisoned memory."""
+    poison(q)
+    out = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, m, iters, kappa, scale)
+    poison(q, k, v)
+    grads = torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, m, iters, kappa, scale)
+    return out, grads
+
+
+def reference_run(q, k, v, conv, dout, **hyper):
+    """The reference on these inputs (their dtype) with autograd: out and the gradients of q, k, v (, conv)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    w = None if conv is None else conv.detach().clone().requires_grad_(True)
+    out = reference.nystrom_forward(*leaves, w, hyper["mask"], hyper["m"], hyper["iters"], hyper["kappa"],
+                                    hyper["scale"])
+    grads = torch.autograd.grad(out, leaves + ([w] if w is not None else []), dout)
+    return out.detach(), grads
+
+
+def check(q, k, v, *, m, iters=6, kappa=0.0, conv=None, mask=None, scale=None, seed=1):
+    """Kernel vs the float64 reference, with the reference in the kernel's dtype as the baseline."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    hyper = dict(m=m, iters=iters, kappa=kappa, mask=mask, scale=scale)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    dout = torch.randn(q.shape, device=DEV, generator=g).to(q.dtype)
+    out, grads = run_kernel(q, k, v, dout, conv=conv, **hyper)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    conv64 = None if conv is None else conv.double()
+    out64, grads64 = reference_run(q.double(), k.double(), v.double(), conv64, dout.double(), **hyper)
+    out_ref, grads_ref = reference_run(q, k, v, conv, dout, **hyper)
+    assert_close_to_oracle(out, out64, baseline=out_ref, factor=FACTOR, floor=FLOOR, name="out")
+    names, likes = ("dq", "dk", "dv", "dconv"), (q, k, v, conv)
+    for name, got, want, base, like in zip(names, grads, grads64, grads_ref, likes):
+        assert got.shape == like.shape and got.dtype == like.dtype and got.is_contiguous(), name
+        assert_close_to_oracle(got, want, baseline=base, factor=FACTOR, floor=FLOOR, name=name)
+    if conv is None:
+        assert grads[3].numel() == 0, "dconv must be empty without conv_weight"
+    return out, grads
+
+
+def test_extension_registers_the_cuda_kernels():
+    assert _ext.extension_loaded(), f"hf_attention_backends._C failed to load: {_ext.extension_error()}"
+    for op in ("nystrom_fwd", "nystrom_bwd"):
+        table = torch._C._dispatch_dump(f"hfab::{op}")
+        assert f"{op}.cu" in table, f"hfab::{op} CUDA kernel is not the compiled one:\n{table}"
+
+
+# (N, m, D): N = 1, N < m, N = m, N = m + 1, ragged tails, a long sequence with the most landmarks
+@pytest.mark.parametrize("n, m, d", [(1, 16, 32), (7, 1, 64), (7, 16, 128), (63, 64, 64), (64, 64, 32),
+                                     (65, 64, 128), (65, 16, 64), (333, 32, 64), (333, 1, 32), (4097, 128, 64),
+                                     (4097, 32, 128)])
+def test_lengths_and_landmarks_gqa(n, m, d):
+    b, hq, hkv = (1, 2, 1) if n > 1000 else (2, 4, 2)
+    check(*make_inputs(b, hq, hkv, n, n, d), m=m)
+
+
+@pytest.mark.parametrize("m", [1, 16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_landmark_counts(m, dtype):
+    check(*make_inputs(1, 4, 4, 333, 333, 64, dtype=dtype, seed=m), m=m)
+
+
+@pytest.mark.parametrize("kappa", [0.0, 2.0])
+@pytest.mark.parametrize("ks", [None, 1, 3, 7])
+def test_kappa_star_and_conv(kappa, ks):
+    q, k, v = make_inputs(2, 4, 2, 200, 200, 64)
+    conv = None if ks is None else make_conv(4, ks, q.dtype)
+    check(q, k, v, m=16, kappa=kappa, conv=conv)
+
+
+@pytest.mark.parametrize("iters", [0, 1, 20])
+def test_newton_iterations(iters):
+    check(*make_inputs(2, 2, 1, 100, 100, 32), m=8, iters=iters, kappa=0.0 if iters != 1 else 3.0)
+
+
+def mixed_mask(b, n, m, seed=0):
+    """(B, N) bool: row 0 no real token, row 1 m real (exact path), row 2 scattered m + 1 real, rows >= 3 left
+    padding with more than m real; every other shape mixes exact and landmark sequences in one batch."""
+    mask = make_padding(b, n, left=True, min_real=min(m + 1, n), seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    mask[0] = False
+    mask[1] = torch.arange(n) >= n - m
+    mask[2] = False
+    mask[2, torch.randperm(n, generator=g)[:m + 1]] = True
+    return mask.to(DEV)
+
+
+@pytest.mark.parametrize("n, m", [(65, 16), (333, 32), (200, 64)])
+@pytest.mark.parametrize("conv_ks", [None, 3])
+def test_key_padding_mixed_batch(n, m, conv_ks):
+    q, k, v = make_inputs(5, 4, 2, n, n, 64, seed=n)
+    mask = mixed_mask(5, n, m, seed=n)
+    conv = None if conv_ks is None else make_conv(4, conv_ks, q.dtype)
+    out, (dq, dk, dv, _) = check(q, k, v, m=m, conv=conv, mask=mask)
+    for t in (out[0], dq[0], dk[0], dv[0]):  # no real token: output and gradients 0
+        assert torch.equal(t, torch.zeros_like(t))
+    padded = ~mask[:, None, :, None].expand_as(dk)  # padded keys get no gradient
+    assert torch.equal(dk[padded], torch.zeros_like(dk[padded]))
+    assert torch.equal(dv[padded], torch.zeros_like(dv[padded]))
+
+
+def test_right_padding_kappa_bf16():
+    q, k, v = make_inputs(3, 2, 2, 130, 130, 128, dtype=torch.bfloat16)
+    mask = make_padding(3, 130, min_real=40, seed=4).to(DEV)
+    check(q, k, v, m=32, kappa=1.5, conv=make_conv(2, 5, q.dtype), mask=mask)
+
+
+@pytest.mark.parametrize("mult", [0.05, 1.0, 3.0, 10.0])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_input_scales_no_nan(mult, dtype):
+    q, k, v = make_inputs(2, 4, 2, 333, 333, 64, dtype=dtype, scale=mult)
+    mask = make_padding(2, 333, min_real=100, seed=5).to(DEV)
+    check(q, k, v, m=32, mask=mask, conv=make_conv(4, 3, dtype))
+
+
+def test_deterministic_forward():
+    q, k, v = make_inputs(2, 8, 2, 4097, 4097, 64)
+    mask = make_padding(2, 4097, min_real=1000, seed=2).to(DEV)
+    conv = make_conv(8, 3, q.dtype)
+    first = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
+    second = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
+    assert torch.equal(first, second)
+
+
+def test_non_contiguous_inputs_equal_contiguous():
+    q, k, v = make_inputs(2, 4, 2, 65, 65, 64)
+    mask = make_padding(2, 65, min_real=20, seed=3).to(DEV)
+    conv = make_conv(4, 3, q.dtype)
+    dout = torch.randn_like(q)
+    hyper = dict(m=16, iters=6, kappa=0.0, conv=conv, scale=0.125)
+    out, grads = run_kernel(q, k, v, dout, mask=mask, **hyper)
+    for qv, kv, vv in strided_views(q, k, v):
+        assert not qv.is_contiguous()
+        dout_v = dout.transpose(1, 2).contiguous().transpose(1, 2)
+        out_v, grads_v = run_kernel(qv, kv, vv, dout_v, mask=strided_mask(mask), **hyper)
+        assert torch.equal(out_v, out)
+        for got, want in zip(grads_v, grads):
+            assert torch.equal(got, want)
+
+
+def test_public_function_autograd():
+    q, k, v = (t.requires_grad_(True) for t in make_inputs(2, 4, 2, 65, 65, 64))
+    conv = make_conv(4, 3, q.dtype).requires_grad_(True)
+    mask = make_padding(2, 65, seed=5).to(DEV)
+    out = hfab.nystrom_attention(q, k, v, num_landmarks=16, conv_weight=conv, key_padding_mask=mask)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    _, (dq, dk, dv, dconv) = run_kernel(q.detach(), k.detach(), v.detach(), dout, m=16, iters=6, kappa=0.0,
+                                        conv=conv.detach(), mask=mask, scale=64 ** -0.5)
+    assert torch.equal(q.grad, dq) and torch.equal(k.grad, dk) and torch.equal(v.grad, dv)
+    assert torch.equal(conv.grad, dconv)
+
+
+def test_launches_on_the_current_stream_and_in_cuda_graphs():
+    q, k, v = make_inputs(2, 4, 2, 333, 333, 64)
+    mask = make_padding(2, 333, min_real=10, seed=6).to(DEV)
+    conv = make_conv(4, 3, q.dtype)
+
+    def fn():
+        return torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
+
+    assert torch.equal(replay_in_cuda_graph(fn), fn())
+
+
+def test_opcheck():
+    q, k, v = (t.requires_grad_(True) for t in make_inputs(2, 4, 2, 65, 65, 64))
+    conv = make_conv(4, 3, q.dtype).requires_grad_(True)
+    mask = make_padding(2, 65, seed=7).to(DEV)
+    torch.library.opcheck(torch.ops.hfab.nystrom_fwd.default, (q, k, v, conv, mask, 16, 6, 0.0, 0.125))
+    torch.library.opcheck(torch.ops.hfab.nystrom_fwd.default, (q, k, v, None, None, 8, 3, 2.0, 0.125))
+    q, k, v, conv = q.detach(), k.detach(), v.detach(), conv.detach()
+    torch.library.opcheck(torch.ops.hfab.nystrom_bwd.default,
+                          (torch.randn_like(q), q, k, v, conv, mask, 16, 6, 0.0, 0.125))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compile_fullgraph(backend):
+    q, k, v = (t.requires_grad_(True) for t in make_inputs(1, 4, 2, 65, 65, 64))
+    conv = make_conv(4, 3, q.dtype).requires_grad_(True)
+
+    def fn(q, k, v, conv):
+        return hfab.nystrom_attention(q, k, v, num_landmarks=16, conv_weight=conv) * 2.0
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    out = compiled(q, k, v, conv)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v, conv)]
+    for t in (q, k, v, conv):
+        t.grad = None
+    eager = fn(q, k, v, conv)
+    eager.sum().backward()
+    assert torch.equal(out, eager)
+    for got, t in zip(grads, (q, k, v, conv)):
+        assert torch.equal(got, t.grad)
+
+
+def test_unsupported_configurations_raise_clear_errors():
+    q, k, v = make_inputs(1, 2, 2, 8, 8, 64)
+    fwd = torch.ops.hfab.nystrom_fwd
+    with pytest.raises(RuntimeError, match="num_landmarks=129 is not supported; supported: 1..128"):
+        fwd(q, k, v, None, None, 129, 6, 0.0, 0.125)
+    with pytest.raises(RuntimeError, match="newton_iter=21 is not supported; supported: 0..20"):
+        fwd(q, k, v, None, None, 16, 21, 0.0, 0.125)
+    for d in (16, 48, 256):
+        qd, kd, vd = make_inputs(1, 2, 2, 8, 8, d)
+        with pytest.raises(RuntimeError, match=f"head dim D={d} is not supported; supported: 32, 64, 128"):
+            fwd(qd, kd, vd, None, None, 4, 6, 0.0, 0.125)
+    for dtype in (torch.float32, torch.float64):
+        with pytest.raises(RuntimeError, match="is not supported; supported: float16, bfloat16"):
+            fwd(*make_inputs(1, 2, 2, 8, 8, 64, dtype=dtype), None, None, 4, 6, 0.0, 0.125)
+    with pytest.raises(RuntimeError, match="key_padding_mask must be a CUDA tensor"):
+        fwd(q, k, v, None, torch.ones(1, 8, dtype=torch.bool), 4, 6, 0.0, 0.125)
+    with pytest.raises(RuntimeError, match="conv_weight.shape=.* is not supported"):
+        fwd(q, k, v, make_conv(2, 4, q.dtype), None, 4, 6, 0.0, 0.125)
+
+
+SANITIZER = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+SANITIZED_RUN = """
+import torch
+g = torch.Generator(device="cuda").manual_seed(0)
+q = torch.randn(3, 2, 70, 32, device="cuda", generator=g).half()
+k, v = (torch.randn(3, 1, 70, 32, device="cuda", generator=g).half() for _ in range(2))
+conv = torch.randn(2, 3, device="cuda", generator=g).half()
+mask = torch.arange(70, device="cuda")[None, :] < torch.tensor([[70], [9], [0]], device="cuda")
+for m in (8, 70):
+    out = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, m, 4, 0.0, 0.2)
+    grads = torch.ops.hfab.nystrom_bwd(torch.randn_like(out), q, k, v, conv, mask, m, 4, 0.0, 0.2)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_clean(tool):
+    if not os.path.exists(SANITIZER):
+        pytest.skip(f"compute-sanitizer not found (PATH, {SANITIZER})")
+    res = subprocess.run([SANITIZER, "--tool", tool, "--error-exitcode", "1", sys.executable, "-c", SANITIZED_RUN],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
