@@ -23,3 +23,8 @@ for _causal in (True, False):
                        heads=8, head_dim=64, sizes=tuple(n * _K for n in (64, 128, 256, 512, 1024, 2048)),
                        quick_sizes=(64 * _K, 256 * _K), options={"causal": _causal}, make_tensors=race_tensors,
                        trainable=("beta",)))
+
+# issue 6's non-causal bandwidth row: B=4, H=16, D=64, T=65,536 (>= 70% of the HBM copy ceiling)
+register_case(Case(backend="race", name="race_b4h16", dtype=torch.bfloat16, batch=4, heads=16, head_dim=64,
+                   sizes=(64 * _K,), quick_sizes=(64 * _K,), options={"causal": False}, make_tensors=race_tensors,
+                   trainable=("beta",)))

@@ -14,15 +14,30 @@ at::Tensor race_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const c10::cuda::CUDAGuard guard(q.device());
   const auto contiguous = q.options().memory_format(at::MemoryFormat::Contiguous);
   if (q.numel() == 0 || k.size(2) == 0) return at::zeros(q.sizes(), contiguous);  // no key: every row is 0
-  at::Tensor out = at::empty(q.sizes(), contiguous);
   Params p = in.p;
+  const bool tensor_cores = tc_forward_applies(q, p, q.device());
+  // causal with Nq - Nk >= 64: the tensor-core kernels leave the rows of query tiles before the first key
+  at::Tensor out = tensor_cores && causal && p.kappa0 < 0 ? at::zeros(q.sizes(), contiguous)
+                                                          : at::empty(q.sizes(), contiguous);
   p.out = out.data_ptr();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor kstate, kz;
+  if (tensor_cores) {
+    for (at::Tensor* t : {&in.q, &in.k, &in.v}) *t = vector_readable(*t);
+    p.q = in.q.data_ptr();
+    p.k = in.k.data_ptr();
+    p.v = in.v.data_ptr();
+    p.sq = strides_of(in.q);
+    p.sk = strides_of(in.k);
+    p.sv = strides_of(in.v);
+  }
   dispatch(q, [&](auto tag, auto dim) {
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(dim)::value;
+    if constexpr (!std::is_same_v<T, float>) {
+      if (tensor_cores) return tc_forward<T, D>(kOp, p, kstate, kz, f32, q.size(0), q.device(), stream);
+    }
     key_states<T, D>(kOp, p, kstate, kz, f32, q.size(0), q.device(), stream);
     const dim3 grid(p.nqt, p.hq, static_cast<unsigned>(q.size(0)));
     launch(kOp, race_out_fwd_kernel<T, D>, grid, Layout::out(p.lp), p, q.device(), stream);

@@ -13,7 +13,9 @@
 #include <optional>
 #include <type_traits>
 
+#include "common/host.cuh"
 #include "race/race_kernels.cuh"
+#include "race/race_tc_kernels.cuh"
 
 namespace hfab {
 namespace race {
@@ -146,19 +148,65 @@ void dispatch(const at::Tensor& q, Fn&& fn) {
   else by_dim(Tag<float>{});
 }
 
-// Launch `kernel` with `floats` of dynamic shared memory, raising a clear error if the GPU has too little.
-template <typename Kernel>
-void launch(const char* op, Kernel kernel, dim3 grid, int floats, const Params& p, const c10::Device& device,
-            cudaStream_t stream) {
-  const int bytes = floats * static_cast<int>(sizeof(float));
+inline int shared_memory_limit(const c10::Device& device) {
   int limit = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
+  return limit;
+}
+
+// Launch `kernel` with `threads` threads and `bytes` of dynamic shared memory, raising a clear error if the
+// GPU has too little.
+template <typename Kernel>
+void launch_bytes(const char* op, Kernel kernel, dim3 grid, int threads, int bytes, const Params& p,
+                  const c10::Device& device, cudaStream_t stream) {
+  const int limit = shared_memory_limit(device);
   TORCH_CHECK(bytes <= limit, op, " (CUDA kernel): P=", p.planes_per_table, ", L=", p.tables,
               " needs ", bytes, " bytes of shared memory per block, more than this GPU's ", limit,
               "; use fewer tables or planes");
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  kernel<<<grid, kThreads, bytes, stream>>>(p);
+  kernel<<<grid, threads, bytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Launch a CUDA-core kernel (kThreads threads) with `floats` of dynamic shared memory.
+template <typename Kernel>
+void launch(const char* op, Kernel kernel, dim3 grid, int floats, const Params& p, const c10::Device& device,
+            cudaStream_t stream) {
+  launch_bytes(op, kernel, grid, kThreads, floats * static_cast<int>(sizeof(float)), p, device, stream);
+}
+
+// Whether the tensor-core forward (race_tc_kernels.cuh) takes these inputs: fp16/bf16, S <= 64, and
+// its shared memory fits this GPU. Other inputs take the CUDA-core kernels.
+inline bool tc_forward_applies(const at::Tensor& q, const Params& p, const c10::Device& device) {
+  if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) return false;
+  if (p.features > tc::kS || p.lp > tc::kLPMax) return false;
+  const int64_t d = q.size(3);
+  const int bytes = d == 32 ? tc::Tiles<__half, 32>::bytes : d == 64 ? tc::Tiles<__half, 64>::bytes
+                                                                     : tc::Tiles<__half, 128>::bytes;
+  return bytes <= shared_memory_limit(device);
+}
+
+// Tensor-core forward: group states, their exclusive prefix (slot ngk: total), then out. q, k, v must be
+// 16-byte vector readable (hfab::vector_readable) and p point at them.
+template <typename T, int D>
+void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, const at::TensorOptions& f32,
+                int64_t batch, const c10::Device& device, cudaStream_t stream) {
+  p.ngk = div_up(p.nkc, tc::kGroup);
+  p.ngq = div_up(p.nqt, tc::kGroup);
+  gstate = at::empty({batch, p.hq, p.ngk + 1, p.features, D}, f32);
+  gz = at::empty({batch, p.hq, p.ngk + 1, p.features}, f32);
+  p.kstate = gstate.data_ptr<float>();
+  p.kz = gz.data_ptr<float>();
+  const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
+  constexpr int bytes = tc::Tiles<T, D>::bytes;
+  launch_bytes(op, tc::race_group_state_fwd_kernel<T, D>, dim3(p.ngk, h, b), tc::kThreads,
+               tc::Tiles<T, D>::state_kernel_bytes, p, device, stream);
+  const int elems = p.features * D + p.features;
+  race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), h, b), kThreads, 0, stream>>>(
+      p.kstate, p.kz, p.ngk, p.features * D, p.features, p.hq, 0);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
+  launch_bytes(op, tc::race_group_out_fwd_kernel<T, D>, dim3(blocks, h, b), tc::kThreads, bytes, p, device, stream);
 }
 
 // Forward states: per key chunk phi(k)^T v and sum phi(k), then their exclusive prefix sums (slot nkc: total).

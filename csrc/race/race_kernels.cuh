@@ -69,6 +69,8 @@ struct Params {
   int kappa0;  // chunk of query tile 0 (causal), may be negative
   int nkc;     // key chunks
   int nqt;     // query tiles
+  int ngk;     // tensor-core forward (race_tc_kernels.cuh): groups of tc::kGroup key chunks
+  int ngq;     // groups of tc::kGroup query tiles (non-causal)
   float* kstate;  // (B, Hq, nkc + 1, S, D) chunk states, then their exclusive prefix sums (slot nkc: total)
   float* kz;      // (B, Hq, nkc + 1, S)
   float* qstate;  // backward: (B, Hq, nqt + 1, S, D), then suffix sums (slot m + 1: tiles after m)
@@ -89,7 +91,7 @@ struct Layout {
   static __host__ __device__ int grads(int d) { return kRows * (d + 1); }
   static __host__ __device__ int state(int lp) { return 2 * table(lp) + tile() + 3 * kRows; }
   static __host__ __device__ int out(int lp) { return 4 * table(lp) + 2 * tile() + 2 * kRows; }
-  static __host__ __device__ int dq(int lp, int d) { return 6 * table(lp) + 3 * tile() + grads(d) + 4 * kRows; }
+  static __host__ __device__ int dq(int lp, int d) { return 6 * table(lp) + 4 * tile() + grads(d) + 4 * kRows; }
   static __host__ __device__ int dkv(int lp, int d) { return 6 * table(lp) + 4 * tile() + grads(d) + 4 * kRows; }
 };
 
@@ -444,7 +446,8 @@ __global__ void __launch_bounds__(kThreads, 1) race_dq_bwd_kernel(const Params p
   float* phq = smk + Layout::table(p.lp);
   float* phk = phq + Layout::tile();
   float* ds = phk + Layout::tile();
-  float* G = ds + Layout::tile();  // (64, D + 1): dO_i / den_i
+  float* stage = ds + Layout::tile();  // 64 columns of v (ds) or of the state A (pass 2), row stride kPad
+  float* G = stage + Layout::tile();   // (64, D + 1): dO_i / den_i
   int* okq = reinterpret_cast<int*>(G + Layout::grads(D));
   int* okk = okq + kRows;
   float* crow = reinterpret_cast<float*>(okk + kRows);
@@ -537,23 +540,35 @@ __global__ void __launch_bounds__(kThreads, 1) race_dq_bwd_kernel(const Params p
     }
   }
   __syncthreads();
-  if (intra) {  // ds[i][j] = G_i . v_j - c_i over allowed pairs
+  if (intra) {  // ds[i][j] = G_i . v_j - c_i over allowed pairs; v staged 64 columns at a time
+    float dot[4][4] = {};  // [j][i]
+    for (int d0 = 0; d0 < D; d0 += kFeat) {
+      const int dn = min(kFeat, D - d0);
+      __syncthreads();
+      for (int e = threadIdx.x; e < kRows * dn; e += kThreads) {
+        const int r = e / dn, d = e % dn;
+        stage[r * kPad + d] = okk[r] ? to_float(v[(long long)(key0 + r) * p.sv.n + d0 + d]) : 0.f;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int jl = tx + 16 * j;
+        if (!okk[jl]) continue;
+        for (int d = 0; d < dn; ++d) {
+          const float vd = stage[jl * kPad + d];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) dot[j][i] = fmaf(G[(ty * 4 + i) * (D + 1) + d0 + d], vd, dot[j][i]);
+        }
+      }
+    }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int jl = tx + 16 * j, kj = key0 + jl;
-      float dot[4] = {};
-      if (okk[jl]) {
-        for (int d = 0; d < D; ++d) {
-          const float vd = to_float(v[(long long)kj * p.sv.n + d]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) dot[i] = fmaf(G[(ty * 4 + i) * (D + 1) + d], vd, dot[i]);
-        }
-      }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int r = ty * 4 + i;
         const bool allowed = okk[jl] && kj <= row0 + r + (p.nk - p.nq);
-        ds[r * kPad + jl] = allowed ? dot[i] - crow[r] : 0.f;
+        ds[r * kPad + jl] = allowed ? dot[j][i] - crow[r] : 0.f;
       }
     }
   }
@@ -564,17 +579,31 @@ __global__ void __launch_bounds__(kThreads, 1) race_dq_bwd_kernel(const Params p
       build_phi(p, st, okq, spq, smq, phq);
       if (intra) build_phi(p, st, okk, spk, smk, phk);
       __syncthreads();
-      float g[4][4];
+      float g[4][4] = {};  // dphi, then dphi * phi
+      for (int d0 = 0; d0 < D; d0 += kFeat) {  // A's rows of this S-tile, 64 columns at a time
+        const int dn = min(kFeat, D - d0);
+        __syncthreads();
+        for (int e = threadIdx.x; e < kRows * dn; e += kThreads) {
+          const int f = e / dn, d = e % dn, s = st * kFeat + f;
+          stage[f * kPad + d] = s < p.features ? __ldg(A + (long long)s * D + d0 + d) : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int f = 0; f < 4; ++f) {
+            const int r = ty * 4 + i, fl = tx + 16 * f;
+            if (st * kFeat + fl >= p.features) continue;
+            for (int d = 0; d < dn; ++d) g[i][f] = fmaf(stage[fl * kPad + d], G[r * (D + 1) + d0 + d], g[i][f]);
+          }
+      }
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
         for (int f = 0; f < 4; ++f) {
           const int r = ty * 4 + i, fl = tx + 16 * f, s = st * kFeat + fl;
-          float dphi = 0.f;
-          if (s < p.features) {
-            for (int d = 0; d < D; ++d) dphi = fmaf(__ldg(A + (long long)s * D + d), G[r * (D + 1) + d], dphi);
-            dphi -= crow[r] * __ldg(z + s);
-          }
+          float dphi = g[i][f];
+          if (s < p.features) dphi -= crow[r] * __ldg(z + s);
           if (intra)
             for (int j = 0; j < kRows; ++j) dphi = fmaf(ds[r * kPad + j], phk[j * kPad + fl], dphi);
           g[i][f] = dphi * phq[r * kPad + fl];
@@ -709,18 +738,32 @@ __global__ void __launch_bounds__(kThreads, 1) race_dkv_bwd_kernel(const Params 
       build_phi(p, st, okk, spk, smk, phk);
       if (intra) build_phi(p, st, okq, spq, smq, phq);
       __syncthreads();
-      float gk[4][4];
+      float gk[4][4] = {};  // dphi, then dphi * phi
+      for (int d0 = 0; d0 < D; d0 += kFeat) {  // 64 columns at a time: Bs rows into `as`, v rows into G
+        const int dn = min(kFeat, D - d0);       // (both free in pass 2)
+        __syncthreads();
+        for (int e = threadIdx.x; e < kRows * dn; e += kThreads) {
+          const int f = e / dn, d = e % dn, s = st * kFeat + f;
+          as[f * kPad + d] = s < p.features ? __ldg(Bs + (long long)s * D + d0 + d) : 0.f;
+          G[f * (D + 1) + d] = okk[f] ? to_float(v[(long long)(key0 + f) * p.sv.n + d0 + d]) : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int f = 0; f < 4; ++f) {
+            const int r = ty * 4 + i, fl = tx + 16 * f;
+            if (!okk[r] || st * kFeat + fl >= p.features) continue;
+            for (int d = 0; d < dn; ++d) gk[i][f] = fmaf(as[fl * kPad + d], G[r * (D + 1) + d], gk[i][f]);
+          }
+      }
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
         for (int f = 0; f < 4; ++f) {
           const int r = ty * 4 + i, fl = tx + 16 * f, s = st * kFeat + fl;
-          float dphi = 0.f;
-          if (okk[r] && s < p.features) {
-            for (int d = 0; d < D; ++d)
-              dphi = fmaf(__ldg(Bs + (long long)s * D + d), to_float(v[(long long)(key0 + r) * p.sv.n + d]), dphi);
-            dphi -= __ldg(y + s);
-          }
+          float dphi = gk[i][f];
+          if (okk[r] && s < p.features) dphi -= __ldg(y + s);
           if (intra)
             for (int cl = 0; cl < kRows; ++cl) dphi = fmaf(ds[r * kPad + cl], phq[cl * kPad + fl], dphi);
           gk[i][f] = dphi * phk[r * kPad + fl];

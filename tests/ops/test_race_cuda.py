@@ -220,6 +220,37 @@ def test_float32(n):
         check_against_oracle(q, k, v, make_planes(4, 4, 64), per_head_beta(4, 64), causal=causal)
 
 
+
+def long_sequence_run(dtype, causal):
+    """N = 65,536 (many key-chunk groups of the tensor-core forward), B=1, Hq=2, Hkv=1, D=64: the kernel's out
+    and gradients, the reference in float64 (the dense oracle would need N x N) and the reference in fp32."""
+    n = 65536
+    q, k, v = make_inputs(1, 2, 1, n, n, 64, dtype=dtype)
+    planes, beta = make_planes(4, 4, 64), per_head_beta(2, 64)
+    dout = torch.randn(q.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(3)).to(dtype)
+    out, grads = run_kernel(q, k, v, planes, beta, dout, causal=causal, mask=None)
+    leaves = [t.double().requires_grad_(True) for t in (q, k, v, beta)]
+    out64 = reference.race_forward(*leaves[:3], planes.double(), leaves[3], None, causal)
+    grads64 = torch.autograd.grad(out64, leaves, dout.double())
+    out_ref, grads_ref = reference_run(q, k, v, planes, beta, dout, causal=causal, mask=None)
+    return (out, out64.detach(), out_ref), zip(("dq", "dk", "dv", "dbeta"), grads, grads64, grads_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_sequence_forward(dtype, causal):
+    (out, out64, out_ref), _ = long_sequence_run(dtype, causal)
+    assert_close_to_oracle(out, out64, baseline=out_ref, name="out")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_sequence_gradients(causal):
+    _, grads = long_sequence_run(torch.float16, causal)
+    for name, got, want, base in grads:
+        floor = FP32_SUM_FLOOR * (1.0 + float(want.abs().max())) if name == "dbeta" else GRAD_FLOOR
+        assert_close_to_oracle(got, want, baseline=base, floor=floor, name=name)
+
+
 def test_unsupported_configurations_raise_clear_errors():
     q, k, v = make_inputs(1, 2, 2, 8, 8, 64)
     beta = per_head_beta(2, 64)

@@ -1,0 +1,81 @@
+// Tensor-core building blocks (sm_80+): mma.sync wrappers and 16-bit pair packing. Pure CUDA.
+//
+// Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16 / m16n8k8"), with g = lane / 4 and
+// t = lane % 4; a 32-bit register holding a 16-bit pair keeps the lower column (or k) index in its
+// low half:
+//   m16n8k16 (f16 / bf16): A (16 x 16, row-major) a0 = (g, 2t..2t+1), a1 = (g + 8, 2t..), a2 = (g, 2t + 8..),
+//                          a3 = (g + 8, 2t + 8..);  B (16 x 8, k x n) b0 = (k 2t..2t+1, n g), b1 = (k 2t + 8.., n g)
+//   m16n8k8 (tf32):        A a0 = (g, t), a1 = (g + 8, t), a2 = (g, t + 4), a3 = (g + 8, t + 4);
+//                          B b0 = (k t, n g), b1 = (k t + 4, n g)
+//   C / D (16 x 8, fp32):  c0, c1 = (g, 2t..2t+1), c2, c3 = (g + 8, 2t..2t+1)
+// The C layout of two adjacent n-tiles (columns 16j..16j+15) is the A layout of a k-step: scores
+// computed by one product feed the next without shared memory.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace hfab {
+namespace mma {
+
+// d += a b, 16 x 8 x 16, fp16 operands, fp32 accumulators.
+__device__ __forceinline__ void m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], __half) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// d += a b, 16 x 8 x 16, bf16 operands, fp32 accumulators.
+__device__ __forceinline__ void m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                         __nv_bfloat16) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// d += a b, 16 x 8 x 8, tf32 operands (fp32 bit patterns, see to_tf32), fp32 accumulators.
+__device__ __forceinline__ void m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// x rounded to tf32 (10-bit mantissa, round to nearest, ties away), as an operand of m16n8k8_tf32.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// Two values rounded to T and packed: `lo` in the low 16 bits (the lower column index).
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// x = hi + lo with hi = T(x) and lo = T(x - hi): two 16-bit operands that carry about twice the bits.
+template <typename T> __device__ __forceinline__ void split(float x, T& hi, T& lo);
+template <> __device__ __forceinline__ void split<__half>(float x, __half& hi, __half& lo) {
+  hi = __float2half_rn(x);
+  lo = __float2half_rn(x - __half2float(hi));
+}
+template <> __device__ __forceinline__ void split<__nv_bfloat16>(float x, __nv_bfloat16& hi, __nv_bfloat16& lo) {
+  hi = __float2bfloat16_rn(x);
+  lo = __float2bfloat16_rn(x - __bfloat162float(hi));
+}
+
+// The 32-bit word at p (two 16-bit elements; p must be 4-byte aligned), e.g. a fragment register.
+template <typename T> __device__ __forceinline__ uint32_t ld32(const T* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+}  // namespace mma
+}  // namespace hfab

@@ -1,0 +1,406 @@
+// RACE forward on tensor cores (mma.sync, sm_80+) for fp16/bf16 inputs and S = L * 2^P <= 64.
+//
+// Two levels (csrc/race/NOTES.md, "Tensor-core forward"): key chunks of 64 are taken kGroup at a time.
+//   race_group_state_fwd_kernel  per (key-chunk group, q head, batch): the group's sum_j phi(k_j) [v_j, 1]^T
+//                                (S x (D + 1), fp32), written to slot g of p.kstate / p.kz
+//   race_scan_fwd_kernel         exclusive prefix over the groups (race_kernels.cuh; slot ngk = total)
+//   race_group_out_fwd_kernel    causal: per key-chunk group, walks its chunks in order with the running
+//                                state in shared memory (fp32): out of the chunk's query tile, then
+//                                state += phi(k)^T [v, 1]. Non-causal: per group of query tiles, out from
+//                                the total state.
+// 128 threads (4 warps); warp w owns rows [16w, 16w + 16) of a 64-row tile (queries or features).
+// Operand precision (measured in a float64 simulation, NOTES.md): projections x W^T with W split in
+// two T halves (hi + lo); scores phi(q) phi(k)^T with fp16 features; a v and phi(k)^T v with the non-v
+// operand split in two T halves, v in T; the state apply phi(q) [A, z] in tf32 (the state is fp32 and
+// can exceed the fp16 range). The denominators ride along as one more column: v gets a row of ones
+// (intra-chunk sums of a), the state keeps z in column D, so num and den see the same rounded a.
+// No atomics: every sum has a fixed order. Pure CUDA.
+#pragma once
+
+#include "common/mma.cuh"
+#include "race/race_kernels.cuh"
+
+namespace hfab {
+namespace race {
+namespace tc {
+
+constexpr int kThreads = 128;
+constexpr int kC = 64;       // rows per chunk / query tile
+constexpr int kS = 64;       // features, zero-padded (fast path: S <= 64)
+constexpr int kLPMax = 24;   // L * P when L * 2^P <= 64 and L <= 8
+constexpr int kGroup = 16;   // chunks per group
+constexpr int kT = kC + 8;   // row stride (elements) of 64-column 16-bit tiles: fragment loads hit 32 banks
+
+// Shared-memory carve-up (bytes), for the kernels and the host's launch size.
+template <typename T, int D>
+struct Tiles {
+  static constexpr int kX = D + 8;  // row stride of x tiles, planes and the state
+  static constexpr int x_bytes = kC * kX * 2;
+  static constexpr int w_off = x_bytes;                             // x of the rows being projected
+  static constexpr int sp_off = w_off + 2 * kLPMax * kX * 2;        // planes hi, lo (T)
+  static constexpr int table_bytes = kC * kLPMax * 4;
+  static constexpr int phq_off = sp_off + 2 * table_bytes;          // sigma+, sigma- of those rows
+  static constexpr int phk_off = phq_off + kC * kT * 2;             // fp16 phi(q) [query][feature]
+  static constexpr int pkt_off = phk_off + kC * kT * 2;             // fp16 phi(k) [key][feature]
+  static constexpr int vt_off = pkt_off + 2 * kS * kT * 2;          // T phi(k) hi, lo [feature][key]
+  static constexpr int ok_off = vt_off + kX * kT * 2;               // T v^T [d][key], row D = 1
+  static constexpr int st_off = ok_off + 2 * kC * 4;                // flags of query rows, key rows
+  static constexpr int bytes = st_off + kS * kX * 4;                // fp32 state [feature][d], column D = z
+  static constexpr int state_kernel_bytes = st_off;                 // race_group_state_fwd_kernel: no state tile
+
+  T *x, *w, *pkt, *vt;
+  float *sp, *sm, *st;
+  __half *phq, *phk;
+  int *okq, *okk;
+
+  __device__ explicit Tiles(char* base)
+      : x(reinterpret_cast<T*>(base)),
+        w(reinterpret_cast<T*>(base + w_off)),
+        pkt(reinterpret_cast<T*>(base + pkt_off)),
+        vt(reinterpret_cast<T*>(base + vt_off)),
+        sp(reinterpret_cast<float*>(base + sp_off)),
+        sm(sp + kC * kLPMax),
+        st(reinterpret_cast<float*>(base + st_off)),
+        phq(reinterpret_cast<__half*>(base + phq_off)),
+        phk(reinterpret_cast<__half*>(base + phk_off)),
+        okq(reinterpret_cast<int*>(base + ok_off)),
+        okk(okq + kC) {}
+};
+
+// Planes split into T halves (rows >= L*P are 0); rows D.. of v^T: a row of ones, then zeros.
+template <typename T, int D>
+__device__ void init_constants(const Params& p, Tiles<T, D>& s) {
+  constexpr int kX = Tiles<T, D>::kX;
+  for (int e = threadIdx.x; e < kLPMax * D; e += kThreads) {
+    const int lt = e / D, d = e % D;
+    T hi, lo;
+    mma::split<T>(lt < p.lp ? p.planes[lt * D + d] : 0.f, hi, lo);
+    s.w[lt * kX + d] = hi;
+    s.w[(kLPMax + lt) * kX + d] = lo;
+  }
+  for (int e = threadIdx.x; e < 8 * kC; e += kThreads) {
+    const int r = e / kC, j = e % kC;
+    s.vt[(D + r) * kT + j] = from_float<T>(r == 0 ? 1.f : 0.f);
+  }
+}
+
+// Rows [row0, row0 + 64) of x (16-byte vectors; rows with ok = 0 are 0) into a [64][D + 8] tile.
+template <typename T, int D>
+__device__ __forceinline__ void load_rows(const T* x, long long stride, int row0, const int* ok, T* tile) {
+  constexpr int kVec = D / 8;
+  for (int e = threadIdx.x; e < kC * kVec; e += kThreads) {
+    const int r = e / kVec, c = e % kVec;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (ok[r]) val = *reinterpret_cast<const uint4*>(x + (long long)(row0 + r) * stride + 8 * c);
+    *reinterpret_cast<uint4*>(tile + r * (D + 8) + 8 * c) = val;
+  }
+}
+
+// v rows [row0, row0 + 64) transposed into vt[d][j] (rows with ok = 0 are 0).
+template <typename T, int D>
+__device__ __forceinline__ void load_vt(const T* v, long long stride, int row0, const int* ok, T* vt) {
+  constexpr int kVec = D / 8;
+  for (int e = threadIdx.x; e < kC * kVec; e += kThreads) {
+    const int j = e % kC, c = e / kC;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (ok[j]) val = *reinterpret_cast<const uint4*>(v + (long long)(row0 + j) * stride + 8 * c);
+    const T* parts = reinterpret_cast<const T*>(&val);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) vt[(8 * c + i) * kT + j] = parts[i];
+  }
+}
+
+// sigma(+-2 beta u) for u = tanh(W x) of the 64 rows in `tile` (warp w: rows 16w..16w+15), on tensor cores.
+template <typename T, int D>
+__device__ __forceinline__ void project(const Params& p, const T* tile, const T* w, float beta, float* sp, float* sm) {
+  constexpr int kX = D + 8;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+  float acc[3][4] = {};
+#pragma unroll
+  for (int k0 = 0; k0 < D; k0 += 16) {
+    uint32_t a[4];
+    a[0] = mma::ld32(tile + (r0 + g) * kX + k0 + 2 * t);
+    a[1] = mma::ld32(tile + (r0 + g + 8) * kX + k0 + 2 * t);
+    a[2] = mma::ld32(tile + (r0 + g) * kX + k0 + 2 * t + 8);
+    a[3] = mma::ld32(tile + (r0 + g + 8) * kX + k0 + 2 * t + 8);
+#pragma unroll
+    for (int nt = 0; nt < 3; ++nt) {
+      if (nt * 8 >= p.lp) continue;
+#pragma unroll
+      for (int part = 0; part < 2; ++part) {
+        const T* wrow = w + (part * kLPMax + nt * 8 + g) * kX + k0 + 2 * t;
+        const uint32_t b[2] = {mma::ld32(wrow), mma::ld32(wrow + 8)};
+        mma::m16n8k16(acc[nt], a, b, T{});
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 3; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = r0 + g + (e >= 2 ? 8 : 0), lt = nt * 8 + 2 * t + (e & 1);
+      if (lt >= p.lp) continue;
+      const float ut = tanhf(acc[nt][e]);
+      sp[row * kLPMax + lt] = sigmoid(2.f * beta * ut);
+      sm[row * kLPMax + lt] = sigmoid(-2.f * beta * ut);
+    }
+}
+
+// phi[r][s] (fp16, row-major) and, when pkt is not null, phi in T halves transposed (pkt[s][r] hi, then lo).
+// 0 for s >= S and rows with ok = 0.
+template <typename T>
+__device__ __forceinline__ void features(const Params& p, const int* ok, const float* sp, const float* sm,
+                                         __half* phi, T* pkt) {
+  const int P = p.planes_per_table;
+  for (int e = threadIdx.x; e < kS * kC; e += kThreads) {
+    const int r = e / kS, s = e % kS;  // a warp reads one row's table entries (broadcasts)
+    float val = 0.f;
+    if (s < p.features && ok[r]) {
+      const int l = s >> P, bucket = s & ((1 << P) - 1);
+      const float* pos = sp + r * kLPMax + l * P;
+      const float* neg = sm + r * kLPMax + l * P;
+      val = 1.f;
+      for (int t = 0; t < P; ++t) val *= ((bucket >> (P - 1 - t)) & 1) ? pos[t] : neg[t];
+    }
+    if (phi != nullptr) phi[r * kT + s] = __float2half_rn(val);
+    if (pkt != nullptr) {
+      T hi, lo;
+      mma::split<T>(val, hi, lo);
+      pkt[s * kT + r] = hi;
+      pkt[(kS + s) * kT + r] = lo;
+    }
+  }
+}
+
+// acc[n] += phi(k)^T [v, 1] for the warp's 16 features (rows 16w.. of pkt) and the 8 columns of n-tile
+// n0 + n < ncount (rows 8 (n0 + n).. of v^T).
+template <typename T, int NN>
+__device__ __forceinline__ void state_delta(const T* pkt, const T* vt, int n0, int ncount, float (&acc)[NN][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
+#pragma unroll
+  for (int kk = 0; kk < kC / 16; ++kk) {
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {
+      const T* base = pkt + (part * kS + f0 + g) * kT + kk * 16 + 2 * t;
+      const uint32_t a[4] = {mma::ld32(base), mma::ld32(base + 8 * kT), mma::ld32(base + 8), mma::ld32(base + 8 * kT + 8)};
+#pragma unroll
+      for (int n = 0; n < NN; ++n) {
+        if (n0 + n >= ncount) continue;
+        const T* vrow = vt + ((n0 + n) * 8 + g) * kT + kk * 16 + 2 * t;
+        const uint32_t b[2] = {mma::ld32(vrow), mma::ld32(vrow + 8)};
+        mma::m16n8k16(acc[n], a, b, T{});
+      }
+    }
+  }
+}
+
+// Per-block setup shared by both kernels: the (b, h) pointers.
+template <typename T>
+struct Heads {
+  const T *q, *k, *v;
+  long long bh;
+  float beta;
+  __device__ Heads(const Params& p, int h, int b) {
+    const int hk = h / p.groups;
+    q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
+    k = static_cast<const T*>(p.k) + b * p.sk.b + hk * p.sk.h;
+    v = static_cast<const T*>(p.v) + b * p.sv.b + hk * p.sv.h;
+    bh = bh_index(p, b, h);
+    beta = p.beta[h];
+  }
+};
+
+// Loads key chunk kappa (x of its keys, v^T, flags) and builds phi(k): fp16 row-major into phk when
+// `scores`, T halves transposed into pkt. Ends with a barrier.
+template <typename T, int D>
+__device__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa, Tiles<T, D>& s, bool scores) {
+  const int key0 = p.s0 + kappa * kC;
+  __syncthreads();  // the previous chunk's readers are done
+  if (threadIdx.x < kC) s.okk[threadIdx.x] = key_ok(p, b, key0 + threadIdx.x);
+  __syncthreads();
+  load_rows<T, D>(hd.k, p.sk.n, key0, s.okk, s.x);
+  load_vt<T, D>(hd.v, p.sv.n, key0, s.okk, s.vt);
+  __syncthreads();
+  project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm);
+  __syncthreads();
+  features<T>(p, s.okk, s.sp, s.sm, scores ? s.phk : nullptr, s.pkt);
+  __syncthreads();
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) race_group_state_fwd_kernel(const Params p) {
+  extern __shared__ __align__(16) char smem_raw[];
+  Tiles<T, D> s(smem_raw);
+  const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const Heads<T> hd(p, h, b);
+  init_constants<T, D>(p, s);
+  float acc[D / 8 + 1][4] = {};
+  const int end = min(p.nkc, (grp + 1) * kGroup);
+  for (int kappa = grp * kGroup; kappa < end; ++kappa) {
+    key_chunk<T, D>(p, hd, b, kappa, s, false);
+    state_delta<T, D / 8 + 1>(s.pkt, s.vt, 0, D / 8 + 1, acc);
+  }
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
+  float* A = p.kstate + (hd.bh * (p.ngk + 1) + grp) * p.features * D;
+  float* z = p.kz + (hd.bh * (p.ngk + 1) + grp) * p.features;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int f = f0 + g + 8 * half;
+    if (f >= p.features) continue;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<float2*>(A + (long long)f * D + n * 8 + 2 * t) = make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
+    if (t == 0) z[f] = acc[D / 8][2 * half];
+  }
+}
+
+// out rows [row0, row0 + 64) of one query tile: phi(q) [A, z] from the state tile (tf32), plus, when
+// `intra`, the masked chunk product (phi(q) phi(k)^T masked to j <= i) [v, 1]; out = num / den.
+template <typename T, int D>
+__device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, bool intra, int row0, T* out) {
+  constexpr int kX = D + 8;
+  constexpr int kN = D / 8 + 1;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+  float acc[kN][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < kS / 8; ++kk) {  // fp16 features are exact in tf32
+    const __half* base = s.phq + (r0 + g) * kT + kk * 8 + t;
+    const uint32_t a[4] = {__float_as_uint(__half2float(base[0])), __float_as_uint(__half2float(base[8 * kT])),
+                           __float_as_uint(__half2float(base[4])), __float_as_uint(__half2float(base[8 * kT + 4]))};
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const float* col = s.st + (kk * 8 + t) * kX + n * 8 + g;
+      const uint32_t b[2] = {mma::to_tf32(col[0]), mma::to_tf32(col[4 * kX])};
+      mma::m16n8k8_tf32(acc[n], a, b);
+    }
+  }
+  if (intra) {
+    float sc[kC / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kS / 16; ++kk) {
+      const __half* base = s.phq + (r0 + g) * kT + kk * 16 + 2 * t;
+      const uint32_t a[4] = {mma::ld32(base), mma::ld32(base + 8 * kT), mma::ld32(base + 8), mma::ld32(base + 8 * kT + 8)};
+#pragma unroll
+      for (int n = 0; n < kC / 8; ++n) {
+        const __half* krow = s.phk + (n * 8 + g) * kT + kk * 16 + 2 * t;
+        const uint32_t b[2] = {mma::ld32(krow), mma::ld32(krow + 8)};
+        mma::m16n8k16(sc[n], a, b, __half{});
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kC / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = r0 + g + (e >= 2 ? 8 : 0), j = n * 8 + 2 * t + (e & 1);
+        if (j > i) sc[n][e] = 0.f;  // tile m and chunk kappa0 + m share their diagonal
+      }
+#pragma unroll
+    for (int kk = 0; kk < kC / 16; ++kk) {
+      uint32_t hi[4], lo[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // A register r: scores of n-tile 2kk + r / 2, elements 2 (r % 2) + {0, 1}
+        const float x0 = sc[2 * kk + r / 2][2 * (r % 2)], x1 = sc[2 * kk + r / 2][2 * (r % 2) + 1];
+        T h0, l0, h1, l1;
+        mma::split<T>(x0, h0, l0);
+        mma::split<T>(x1, h1, l1);
+        hi[r] = mma::pack2<T>(to_float(h0), to_float(h1));
+        lo[r] = mma::pack2<T>(to_float(l0), to_float(l1));
+      }
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+        const T* vrow = s.vt + (n * 8 + g) * kT + kk * 16 + 2 * t;
+        const uint32_t b[2] = {mma::ld32(vrow), mma::ld32(vrow + 8)};
+        mma::m16n8k16(acc[n], hi, b, T{});
+        mma::m16n8k16(acc[n], lo, b, T{});
+      }
+    }
+  }
+  const int quad = lane & ~3;  // den = column D, held by the quad's t = 0 lane
+  const float den0 = __shfl_sync(0xffffffffu, acc[kN - 1][0], quad);
+  const float den1 = __shfl_sync(0xffffffffu, acc[kN - 1][2], quad);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = row0 + r0 + g + 8 * half;
+    const float den = half ? den1 : den0;
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    if (i >= p.nq) continue;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<uint32_t*>(out + (long long)i * D + n * 8 + 2 * t) =
+          mma::pack2<T>(acc[n][2 * half] * inv, acc[n][2 * half + 1] * inv);
+  }
+}
+
+// Query tile m: flags, x, phi(q) (fp16) into phq. Ends with a barrier.
+template <typename T, int D>
+__device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, D>& s) {
+  __syncthreads();
+  if (threadIdx.x < kC) s.okq[threadIdx.x] = m * kC + threadIdx.x < p.nq;
+  __syncthreads();
+  load_rows<T, D>(hd.q, p.sq.n, m * kC, s.okq, s.x);
+  __syncthreads();
+  project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm);
+  __syncthreads();
+  features<T>(p, s.okq, s.sp, s.sm, s.phq, nullptr);
+  __syncthreads();
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) race_group_out_fwd_kernel(const Params p) {
+  extern __shared__ __align__(16) char smem_raw[];
+  Tiles<T, D> s(smem_raw);
+  constexpr int kX = D + 8;
+  const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const Heads<T> hd(p, h, b);
+  T* out = static_cast<T*>(p.out) + hd.bh * p.nq * D;
+  const int first = grp * kGroup;
+  const int end = min(p.causal ? p.nkc : p.nqt, first + kGroup);
+  if (p.causal && end - 1 < p.kappa0) return;  // only keys before the first query: no tile to write
+  init_constants<T, D>(p, s);
+  {  // the state before this group (causal) or the total (non-causal)
+    const int slot = p.causal ? grp : p.ngk;
+    const float* A = p.kstate + (hd.bh * (p.ngk + 1) + slot) * p.features * D;
+    const float* z = p.kz + (hd.bh * (p.ngk + 1) + slot) * p.features;
+    for (int e = threadIdx.x; e < kS * kX; e += kThreads) {
+      const int f = e / kX, d = e % kX;
+      float val = 0.f;
+      if (f < p.features) val = d < D ? A[(long long)f * D + d] : (d == D ? z[f] : 0.f);
+      s.st[e] = val;
+    }
+  }
+  if (!p.causal) {
+    for (int m = first; m < end; ++m) {
+      query_tile<T, D>(p, hd, m, s);
+      tile_out<T, D>(p, s, false, m * kC, out);
+    }
+    return;
+  }
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
+  for (int kappa = first; kappa < end; ++kappa) {
+    const int m = kappa - p.kappa0;  // the query tile whose diagonal is in this chunk
+    if (m >= 0) query_tile<T, D>(p, hd, m, s);
+    key_chunk<T, D>(p, hd, b, kappa, s, m >= 0);
+    if (m >= 0) tile_out<T, D>(p, s, true, m * kC, out);
+    if (kappa + 1 == end) break;
+    __syncthreads();  // every warp has read the state
+#pragma unroll 1
+    for (int n0 = 0; n0 < D / 8 + 1; n0 += 4) {  // 4 n-tiles at a time: fewer live registers
+      float delta[4][4] = {};
+      state_delta<T, 4>(s.pkt, s.vt, n0, D / 8 + 1, delta);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float* row = s.st + (f0 + g + 8 * half) * kX + 2 * t;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          if (n0 + n >= D / 8 + 1) continue;
+          row[(n0 + n) * 8] += delta[n][2 * half];
+          row[(n0 + n) * 8 + 1] += delta[n][2 * half + 1];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace tc
+}  // namespace race
+}  // namespace hfab
