@@ -297,3 +297,13 @@ def test_gpu_check_script_cpu_mode(tmp_path):
     assert len(rows) == 3 * len(registry.TINY_SIZES) and all(r["status"] == "ok" for r in rows)
     assert rows[0]["run_id"].startswith("gpu_check-")
     assert (out / "cpu.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.cuda
+def test_profile_lists_the_kernels_of_a_call():
+    from benchmarks.profile import kernel_table
+
+    rows = kernel_table("exact_d64_causal", 256, "fwd+bwd", "ours", calls=2)
+    names = " ".join(name for name, _, _ in rows)
+    assert "exact_attn_fwd_kernel" in names and "exact_dkv_bwd_kernel" in names, names
+    assert all(ms > 0 and count >= 1 for _, ms, count in rows)

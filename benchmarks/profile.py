@@ -1,0 +1,56 @@
+"""Where the time of one benchmark call goes, kernel by kernel (torch.profiler, CUDA activity).
+
+``python -m benchmarks.profile CASE N [--mode fwd|fwd+bwd] [--provider ours] [--calls 3]`` builds the
+case's inputs as the runner does, warms up, profiles ``--calls`` calls and prints the kernels sorted by
+total GPU time (per-call milliseconds and share), so a NOTES.md can say which kernel bounds a shape.
+"""
+import argparse
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from . import registry
+from .run import make_call, make_inputs
+
+
+def kernel_table(case_name: str, n: int, mode: str, provider: str, calls: int) -> list[tuple[str, float, int]]:
+    """[(kernel name, GPU ms per call, launches per call)] sorted by time, for ``calls`` profiled calls."""
+    registry.load()
+    if case_name not in registry.CASES:
+        raise ValueError(f"case {case_name!r} is not registered; registered: {', '.join(registry.CASES)}")
+    case, device = registry.CASES[case_name], torch.device("cuda")
+    tensors = case.make_tensors(case, device) if case.make_tensors else {}
+    call = make_call(registry.select_providers([provider])[0], case, make_inputs(case, n, device, 0, 1), tensors,
+                     mode)
+    for i in range(2):
+        call(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            call(i)
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / 1e3 / calls, e.count // calls) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("case")
+    parser.add_argument("n", type=int)
+    parser.add_argument("--mode", default="fwd", choices=["fwd", "fwd+bwd"])
+    parser.add_argument("--provider", default="ours")
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args(argv)
+    rows = kernel_table(args.case, args.n, args.mode, args.provider, args.calls)
+    total = sum(r[1] for r in rows)
+    print(f"{args.case} N={args.n} {args.mode} {args.provider}: {total:.3f} ms of GPU time per call")
+    for name, ms, count in rows[:args.top]:
+        print(f"  {ms:9.3f} ms {100 * ms / total:5.1f}%  x{count:<4d} {name[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
