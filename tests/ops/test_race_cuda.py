@@ -7,10 +7,6 @@ another order, so it gets a floor relative to its size (FP32_SUM_FLOOR). Outputs
 NaN-poisoned memory so an element a kernel forgets to write fails the test.
 """
 import itertools
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +15,8 @@ import hf_attention_backends as hfab
 from hf_attention_backends import _ext
 from hf_attention_backends.ops.race import reference
 from tests.inputs import make_padding
-from tests.ops.cuda_helpers import DEV, make_inputs, poison, replay_in_cuda_graph, strided_mask, strided_views
+from tests.ops.cuda_helpers import (DEV, assert_sanitizer_clean, make_inputs, poison, replay_in_cuda_graph, strided_mask,
+                                   strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -366,7 +363,6 @@ def test_compile_fullgraph(backend):
         assert torch.equal(got, t.grad)
 
 
-SANITIZER = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
 SANITIZED_RUN = """
 import torch, hf_attention_backends as hfab
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -384,8 +380,4 @@ torch.cuda.synchronize()
 @pytest.mark.slow
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_compute_sanitizer_clean(tool):
-    if not os.path.exists(SANITIZER):
-        pytest.skip(f"compute-sanitizer not found (PATH, {SANITIZER})")
-    res = subprocess.run([SANITIZER, "--tool", tool, "--error-exitcode", "1", sys.executable, "-c", SANITIZED_RUN],
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+    assert_sanitizer_clean(tool, SANITIZED_RUN)
