@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace hfab {
 
@@ -30,6 +31,29 @@ inline void check_on_device(const char* op, const char* name, const at::Tensor& 
   TORCH_CHECK(t.device() == device, op, ": all tensors must be on one CUDA device; q is on ", device, ", ",
               name, " on ", t.device());
 }
+
+// Raise unless `m` is a (B, Nk) bool key padding mask (True = real key) for keys `k` (B, Hkv, Nk, D) on `device`.
+inline void check_key_padding_mask(const char* op, const at::Tensor& m, const at::Tensor& k, const c10::Device& device) {
+  check_on_device(op, "key_padding_mask", m, device);
+  TORCH_CHECK(m.scalar_type() == at::kBool, op, ": key_padding_mask.dtype=", m.scalar_type(),
+              "; supported: torch.bool (True = real token)");
+  TORCH_CHECK(m.dim() == 2 && m.size(0) == k.size(0) && m.size(1) == k.size(2), op, ": key_padding_mask.shape=",
+              m.sizes(), "; expected (B, Nk)=(", k.size(0), ", ", k.size(2), ")");
+}
+
+template <typename T> struct Tag { using type = T; };
+
+// fn(std::integral_constant<int, D>{}) for head dim d in {32, 64, 128} (the callers' checks allow no other).
+template <typename Fn>
+decltype(auto) dispatch_head_dim(int64_t d, Fn&& fn) {
+  switch (d) {
+    case 32: return fn(std::integral_constant<int, 32>{});
+    case 64: return fn(std::integral_constant<int, 64>{});
+    default: return fn(std::integral_constant<int, 128>{});
+  }
+}
+
+inline unsigned blocks(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
 
 inline int compute_capability_major(const c10::Device& device) {
   int major = 0;

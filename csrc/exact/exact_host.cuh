@@ -58,11 +58,7 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   Params& p = in.p;
   if (key_padding_mask.has_value() && key_padding_mask->defined()) {
     const at::Tensor& m = *key_padding_mask;
-    check_on_device(op, "key_padding_mask", m, device);
-    TORCH_CHECK(m.scalar_type() == at::kBool, op, ": key_padding_mask.dtype=", m.scalar_type(),
-                "; supported: torch.bool (True = real token)");
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == k.size(0) && m.size(1) == k.size(2), op, ": key_padding_mask.shape=",
-                m.sizes(), "; expected (B, Nk)=(", k.size(0), ", ", k.size(2), ")");
+    check_key_padding_mask(op, m, k, device);
     in.mask = m.contiguous();
     p.key_padding_mask = reinterpret_cast<const unsigned char*>(in.mask.data_ptr());
     p.kpm_stride = in.mask.stride(0);
@@ -83,23 +79,14 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   return in;
 }
 
-template <typename T> struct Tag { using type = T; };
-
 // fn(Tag<T>{}, std::integral_constant<int, D>{}) for the kernel element type and head dim of `q`.
 template <typename Fn>
 void dispatch(const at::Tensor& q, Fn&& fn) {
-  auto by_dim = [&](auto tag) {
-    switch (q.size(3)) {
-      case 32: return fn(tag, std::integral_constant<int, 32>{});
-      case 64: return fn(tag, std::integral_constant<int, 64>{});
-      default: return fn(tag, std::integral_constant<int, 128>{});  // prepare() allowed only 32, 64, 128
-    }
-  };
+  auto by_dim = [&](auto tag) { dispatch_head_dim(q.size(3), [&](auto dim) { fn(tag, dim); }); };
   if (q.scalar_type() == at::kHalf) by_dim(Tag<__half>{});
   else by_dim(Tag<__nv_bfloat16>{});
 }
 
-inline unsigned blocks(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
 
 }  // namespace exact
 }  // namespace hfab

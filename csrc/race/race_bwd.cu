@@ -13,7 +13,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> race_bwd_cuda(
     const at::Tensor& beta, const std::optional<at::Tensor>& key_padding_mask, bool causal) {
   constexpr const char* kOp = "hfab::race_bwd";
   Inputs in = prepare(kOp, q, k, v, planes, beta, key_padding_mask, causal);
-  check_cuda(kOp, "dout", dout, q.device());
+  check_on_device(kOp, "dout", dout, q.device());
   TORCH_CHECK(dout.sizes() == q.sizes(), kOp, ": dout ", dout.sizes(), " must have q's shape ", q.sizes());
   TORCH_CHECK(dout.scalar_type() == q.scalar_type(), kOp, ": dout.dtype=", dout.scalar_type(), " must be q's dtype ",
               q.scalar_type());

@@ -24,11 +24,7 @@ void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int
     launch(op, race_dkv_bwd_kernel<T, D>, dim3(p.nkc, static_cast<unsigned>(hkv), b), Layout::dkv(p.lp, D), p,
            device, stream);
   };  // kstate, kz live until the last kernel is queued; the caching allocator orders their reuse on `stream`
-  switch (head_dim) {
-    case 32: return run(std::integral_constant<int, 32>{});
-    case 64: return run(std::integral_constant<int, 64>{});
-    default: return run(std::integral_constant<int, 128>{});  // prepare() allowed only 32, 64, 128
-  }
+  dispatch_head_dim(head_dim, run);  // prepare() allowed only 32, 64, 128
 }
 
 }  // namespace race

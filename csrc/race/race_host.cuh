@@ -28,12 +28,6 @@ struct Inputs {
 
 inline Strides strides_of(const at::Tensor& t) { return Strides{t.stride(0), t.stride(1), t.stride(2)}; }
 
-inline void check_cuda(const char* op, const char* name, const at::Tensor& t, const c10::Device& device) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor, got one on ", t.device());
-  TORCH_CHECK(t.device() == device, op, ": all tensors must be on one CUDA device; q is on ", device, ", ", name,
-              " on ", t.device());
-}
-
 // `t` with a contiguous head dim (other strides are read as they are).
 inline at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
 
@@ -43,11 +37,11 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
                       const at::Tensor& planes, const at::Tensor& beta, const std::optional<at::Tensor>& kpm,
                       bool causal) {
   const c10::Device device = q.device();
-  check_cuda(op, "q", q, device);
-  check_cuda(op, "k", k, device);
-  check_cuda(op, "v", v, device);
-  check_cuda(op, "planes", planes, device);
-  check_cuda(op, "beta", beta, device);
+  check_on_device(op, "q", q, device);
+  check_on_device(op, "k", k, device);
+  check_on_device(op, "v", v, device);
+  check_on_device(op, "planes", planes, device);
+  check_on_device(op, "beta", beta, device);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must have 4 dims (B, H, N, D), got ",
               q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
@@ -93,11 +87,7 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   Params& p = in.p;
   if (kpm.has_value() && kpm->defined()) {
     const at::Tensor& m = *kpm;
-    check_cuda(op, "key_padding_mask", m, device);
-    TORCH_CHECK(m.scalar_type() == at::kBool, op, ": key_padding_mask.dtype=", m.scalar_type(),
-                "; supported: torch.bool (True = real token)");
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == k.size(0) && m.size(1) == k.size(2), op, ": key_padding_mask.shape=",
-                m.sizes(), "; expected (B, Nk)=(", k.size(0), ", ", k.size(2), ")");
+    check_key_padding_mask(op, m, k, device);
     in.mask = m.contiguous();
     p.kpm = reinterpret_cast<const unsigned char*>(in.mask.data_ptr());
     p.kpm_stride = in.mask.size(1);
@@ -131,18 +121,10 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   return in;
 }
 
-template <typename T> struct Tag { using type = T; };
-
 // fn(Tag<T>{}, std::integral_constant<int, D>{}) for the element type and head dim of `q`.
 template <typename Fn>
 void dispatch(const at::Tensor& q, Fn&& fn) {
-  auto by_dim = [&](auto tag) {
-    switch (q.size(3)) {
-      case 32: return fn(tag, std::integral_constant<int, 32>{});
-      case 64: return fn(tag, std::integral_constant<int, 64>{});
-      default: return fn(tag, std::integral_constant<int, 128>{});  // prepare() allowed only 32, 64, 128
-    }
-  };
+  auto by_dim = [&](auto tag) { dispatch_head_dim(q.size(3), [&](auto dim) { fn(tag, dim); }); };
   if (q.scalar_type() == at::kHalf) by_dim(Tag<__half>{});
   else if (q.scalar_type() == at::kBFloat16) by_dim(Tag<__nv_bfloat16>{});
   else by_dim(Tag<float>{});

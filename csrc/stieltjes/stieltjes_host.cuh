@@ -59,11 +59,7 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   Params& p = in.p;
   if (key_padding_mask.has_value() && key_padding_mask->defined()) {
     const at::Tensor& m = *key_padding_mask;
-    check_on_device(op, "key_padding_mask", m, device);
-    TORCH_CHECK(m.scalar_type() == at::kBool, op, ": key_padding_mask.dtype=", m.scalar_type(),
-                "; supported: torch.bool (True = real token)");
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == k.size(0) && m.size(1) == k.size(2), op, ": key_padding_mask.shape=",
-                m.sizes(), "; expected (B, Nk)=(", k.size(0), ", ", k.size(2), ")");
+    check_key_padding_mask(op, m, k, device);
     p.kpm = reinterpret_cast<const unsigned char*>(m.data_ptr());  // read through its strides
     p.kpm_sb = m.stride(0);
     p.kpm_sn = m.stride(1);
@@ -94,8 +90,6 @@ inline at::Tensor row_state(const char* op, const char* name, const at::Tensor& 
   return t.contiguous();
 }
 
-template <typename T> struct Tag { using type = T; };
-
 // fn(Tag<T>{}, integral_constant<D>{}, integral_constant<IORD>{}) for q's dtype and head dim and the order
 // (IORD 4 or 2: fast paths; 0: any order).
 template <typename Fn>
@@ -105,18 +99,11 @@ void dispatch(const at::Tensor& q, double order, Fn&& fn) {
     if (order == 2.0) return fn(tag, dim, std::integral_constant<int, 2>{});
     return fn(tag, dim, std::integral_constant<int, 0>{});
   };
-  auto by_dim = [&](auto tag) {
-    switch (q.size(3)) {
-      case 32: return by_order(tag, std::integral_constant<int, 32>{});
-      case 64: return by_order(tag, std::integral_constant<int, 64>{});
-      default: return by_order(tag, std::integral_constant<int, 128>{});  // prepare() allowed only 32, 64, 128
-    }
-  };
+  auto by_dim = [&](auto tag) { dispatch_head_dim(q.size(3), [&](auto dim) { by_order(tag, dim); }); };
   if (q.scalar_type() == at::kHalf) by_dim(Tag<__half>{});
   else by_dim(Tag<__nv_bfloat16>{});
 }
 
-inline unsigned blocks(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
 
 // Launch kernel<<<grid, kThreads, smem>>>(p) on `stream`, raising the dynamic shared memory limit when needed.
 template <typename Kernel>
