@@ -32,6 +32,24 @@ inline void check_on_device(const char* op, const char* name, const at::Tensor& 
               name, " on ", t.device());
 }
 
+// Raise unless q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) are CUDA tensors on `device` with one dtype and
+// Hq a multiple of Hkv.
+inline void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const c10::Device& device) {
+  check_on_device(op, "q", q, device);
+  check_on_device(op, "k", k, device);
+  check_on_device(op, "v", v, device);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must have 4 dims (B, H, N, D), got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), op, ": q ", q.sizes(), " and k ", k.sizes(),
+              " must agree in batch size and head dim");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op, ": query heads Hq=", q.size(1),
+              " must be a multiple of key/value heads Hkv=", k.size(1));
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
+              ": q, k, v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+}
+
 // Raise unless `m` is a (B, Nk) bool key padding mask (True = real key) for keys `k` (B, Hkv, Nk, D) on `device`.
 inline void check_key_padding_mask(const char* op, const at::Tensor& m, const at::Tensor& k, const c10::Device& device) {
   check_on_device(op, "key_padding_mask", m, device);

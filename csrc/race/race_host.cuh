@@ -37,20 +37,9 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
                       const at::Tensor& planes, const at::Tensor& beta, const std::optional<at::Tensor>& kpm,
                       bool causal) {
   const c10::Device device = q.device();
-  check_on_device(op, "q", q, device);
-  check_on_device(op, "k", k, device);
-  check_on_device(op, "v", v, device);
+  check_qkv(op, q, k, v, device);
   check_on_device(op, "planes", planes, device);
   check_on_device(op, "beta", beta, device);
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must have 4 dims (B, H, N, D), got ",
-              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), op, ": q ", q.sizes(), " and k ", k.sizes(),
-              " must agree in batch size and head dim");
-  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op, ": query heads Hq=", q.size(1),
-              " must be a multiple of key/value heads Hkv=", k.size(1));
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
-              ": q, k, v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat, op, " (CUDA kernel): dtype ",
               dtype, " is not supported; supported: float16, bfloat16, float32");

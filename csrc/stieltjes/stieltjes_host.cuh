@@ -23,18 +23,7 @@ inline Strides strides_of(const at::Tensor& t) { return Strides{t.stride(0), t.s
 inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const std::optional<at::Tensor>& key_padding_mask, bool causal, double scale, double order) {
   const c10::Device device = q.device();
-  check_on_device(op, "q", q, device);
-  check_on_device(op, "k", k, device);
-  check_on_device(op, "v", v, device);
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must have 4 dims (B, H, N, D), got ",
-              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), op, ": q ", q.sizes(), " and k ", k.sizes(),
-              " must agree in batch size and head dim");
-  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op, ": query heads Hq=", q.size(1),
-              " must be a multiple of key/value heads Hkv=", k.size(1));
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
-              ": q, k, v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+  check_qkv(op, q, k, v, device);
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, op, " (CUDA kernel): dtype ", dtype,
               " is not supported; supported: float16, bfloat16. Cast q, k, v to one of them, or run on the CPU "
