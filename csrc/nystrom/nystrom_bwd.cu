@@ -1,6 +1,7 @@
 // CUDA impl of hfab::nystrom_bwd (schema in hf_attention_backends/ops/nystrom/op.py): the exact gradient of
-// nystrom_fwd through every Newton–Schulz iterate. Landmarks and real-token positions come from the forward's
-// kernels; the N-sized products are ATen fp32 on the current stream (K1 (B, Hq, N, slots) and K3
+// nystrom_fwd through every Newton–Schulz iterate. Landmarks, real-token positions, K2, the NS iterates and
+// W = Z W0 come from the forward's kernels (nystrom_inverse_fwd_kernel saves the iterates); the NS VJP and
+// the N-sized products are ATen fp32 on the current stream (K1 (B, Hq, N, slots) and K3
 // (B, Hq, m, N) are materialised: O(N m) extra memory). NOTES.md: the fused kernels that replace them.
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/stack.h>
@@ -127,7 +128,7 @@ Grads nystrom_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Te
       p3 = masked_softmax(st.q_land.matmul(tr(group(in, f.ks))), f.real.view({in.batch, 1, 1, in.n}));
       w0 = p3.matmul(group(in, f.vf));
     }
-    finish_state(in, st, w0);
+    finish_state<D>(in, st, w0, true, stream);
     grads = backward(in, st, dout, f, p3);
   });
   return grads;

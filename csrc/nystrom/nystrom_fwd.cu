@@ -21,7 +21,7 @@ at::Tensor nystrom_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(dim)::value;
     State st = landmark_state<T, D>(in, stream);
-    finish_state(in, st, st.nystrom ? k3_values<T, D>(in, stream) : at::Tensor());
+    finish_state<D>(in, st, st.nystrom ? k3_values<T, D>(in, stream) : at::Tensor(), false, stream);
     in.p.out = out.data_ptr();
     const dim3 grid(static_cast<unsigned>(div_up(in.n, OutTiles<D>::BQ)), static_cast<unsigned>(in.hq),
                     static_cast<unsigned>(in.batch));

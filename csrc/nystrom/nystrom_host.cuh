@@ -1,7 +1,7 @@
 // Host side of the Nyström kernels shared by nystrom_fwd.cu and nystrom_bwd.cu: validation at the op
 // boundary (clear errors naming the argument, its value and what is supported), the per-sequence state
-// (real-token positions, landmarks, K2, Newton–Schulz, the key/value buffers of the output kernel) and the
-// m x m work in ATen fp32 on the current stream.
+// (real-token positions, landmarks, K2, Newton–Schulz by one kernel, the key/value buffers of the output
+// kernel) and the backward's m x m VJP in ATen fp32 on the current stream.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -48,18 +48,9 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
                       const std::optional<at::Tensor>& conv_weight, const std::optional<at::Tensor>& key_padding_mask,
                       int64_t num_landmarks, int64_t newton_iter, double kappa_star, double scale) {
   const c10::Device device = q.device();
-  check_on_device(op, "q", q, device);
-  check_on_device(op, "k", k, device);
-  check_on_device(op, "v", v, device);
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must have 4 dims (B, H, N, D), got ",
-              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape, got ", k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(3) == k.size(3), op, ": q ", q.sizes(),
-              " and k ", k.sizes(), " must agree in batch size, sequence length (self-attention) and head dim");
-  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op, ": query heads Hq=", q.size(1),
-              " must be a multiple of key/value heads Hkv=", k.size(1));
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op,
-              ": q, k, v must share one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
+  check_qkv(op, q, k, v, device);
+  TORCH_CHECK(q.size(2) == k.size(2), op, ": q ", q.sizes(), " and k ", k.sizes(),
+              " must have the same sequence length (self-attention)");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, op, " (CUDA kernel): dtype ", dtype,
               " is not supported; supported: float16, bfloat16. Cast q, k, v, or run on the CPU reference");
@@ -109,11 +100,7 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   }
   if (key_padding_mask.has_value() && key_padding_mask->defined()) {
     const at::Tensor& m = *key_padding_mask;
-    check_on_device(op, "key_padding_mask", m, device);
-    TORCH_CHECK(m.scalar_type() == at::kBool, op, ": key_padding_mask.dtype=", m.scalar_type(),
-                "; supported: torch.bool (True = real token)");
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == k.size(0) && m.size(1) == k.size(2), op, ": key_padding_mask.shape=",
-                m.sizes(), "; expected (B, N)=(", k.size(0), ", ", k.size(2), ")");
+    check_key_padding_mask(op, m, k, device);
     in.mask = m.contiguous();
     p.mask = reinterpret_cast<const unsigned char*>(in.mask.data_ptr());
     p.mask_stride = in.n;
@@ -133,18 +120,10 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   return in;
 }
 
-template <typename T> struct Tag { using type = T; };
-
 // fn(Tag<T>{}, std::integral_constant<int, D>{}) for the element type and head dim of `q`.
 template <typename Fn>
 void dispatch(const at::Tensor& q, Fn&& fn) {
-  auto by_dim = [&](auto tag) {
-    switch (q.size(3)) {
-      case 32: return fn(tag, std::integral_constant<int, 32>{});
-      case 64: return fn(tag, std::integral_constant<int, 64>{});
-      default: return fn(tag, std::integral_constant<int, 128>{});  // prepare() allowed only 32, 64, 128
-    }
-  };
+  auto by_dim = [&](auto tag) { dispatch_head_dim(q.size(3), [&](auto dim) { fn(tag, dim); }); };
   if (q.scalar_type() == at::kHalf) by_dim(Tag<__half>{});
   else by_dim(Tag<__nv_bfloat16>{});
 }
@@ -169,7 +148,7 @@ inline at::Tensor masked_softmax(const at::Tensor& s, const at::Tensor& valid) {
   return e.div(e.sum(-1, true).clamp_min(1e-30));
 }
 
-// Newton–Schulz iterates of one batch of matrices (reference.newton_schulz_pinv) and what its VJP needs.
+// What the VJP of the Newton–Schulz stage (reference.k2_inverse) needs, from nystrom_inverse_fwd_kernel.
 struct NsSaved {
   at::Tensor a, s;              // the inverted matrices (..., m, m); ‖a‖₁‖a‖∞ (..., 1, 1)
   std::vector<at::Tensor> zs;   // Z₀ .. Z_iters
@@ -181,24 +160,6 @@ inline at::Tensor eye_like(const at::Tensor& a) { return at::eye(a.size(-1), a.o
 inline void norm_factors(const at::Tensor& a, at::Tensor& col, at::Tensor& row) {
   col = a.abs().sum(-2).amax(-1);  // max column sum
   row = a.abs().sum(-1).amax(-1);  // max row sum
-}
-
-inline void ns_forward(const at::Tensor& a, int iters, NsSaved& saved) {
-  at::Tensor col, row;
-  norm_factors(a, col, row);
-  const at::Tensor eye = eye_like(a);
-  saved.a = a;
-  saved.s = col.mul(row).unsqueeze(-1).unsqueeze(-1);
-  at::Tensor z = a.transpose(-1, -2).div(saved.s);
-  saved.zs.assign(1, z);
-  for (int i = 0; i < iters; ++i) {
-    const at::Tensor mz = a.matmul(z);
-    const at::Tensor t1 = eye.mul(7).sub(mz);
-    const at::Tensor t2 = eye.mul(15).sub(mz.matmul(t1));
-    const at::Tensor t3 = eye.mul(13).sub(mz.matmul(t2));
-    z = z.matmul(t3).mul(0.25);
-    saved.zs.push_back(z);
-  }
 }
 
 // Gradient of amax over the last dim (torch's rule: shared evenly among ties); g has one dim less than x.
@@ -237,21 +198,6 @@ inline at::Tensor ns_backward(const NsSaved& saved, at::Tensor gz) {
   return da.add(a.sign().mul(dcol.unsqueeze(-2).add(drow.unsqueeze(-1))));
 }
 
-// reference.k2_inverse: NS(K2), or NS(K2ᵀK2 + λI) K2ᵀ with λ = ‖K2‖₁‖K2‖∞ / kappa (no gradient through λ).
-inline at::Tensor k2_inverse(const at::Tensor& k2, int iters, double kappa, NsSaved& saved) {
-  if (kappa == 0.0) {
-    ns_forward(k2, iters, saved);
-    return saved.zs.back();
-  }
-  at::Tensor col, row;
-  norm_factors(k2, col, row);
-  const at::Tensor lam = col.mul(row).div(kappa).unsqueeze(-1).unsqueeze(-1);
-  const at::Tensor k2t = k2.transpose(-1, -2);
-  ns_forward(k2t.matmul(k2).add(eye_like(k2).mul(lam)), iters, saved);
-  saved.k2_input = k2;
-  return saved.zs.back().matmul(k2t);
-}
-
 inline at::Tensor k2_inverse_backward(const NsSaved& saved, const at::Tensor& gz) {
   if (!saved.k2_input.defined()) return ns_backward(saved, gz);
   const at::Tensor& k2 = saved.k2_input;
@@ -269,6 +215,63 @@ struct State {
   int64_t slots = 0;               // rows of the key/value buffers: min(m, N)
   at::Tensor keys, vals, nvalid;   // (B, Hq, slots, D) fp32 contiguous; (B,) int32
 };
+
+template <int TM, int D>
+void launch_inverse(const InvParams& ip, int64_t blocks, cudaStream_t stream) {
+  constexpr int bytes = inv_smem_bytes<TM>();
+  C10_CUDA_CHECK(cudaFuncSetAttribute(nystrom_inverse_fwd_kernel<TM, D>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  nystrom_inverse_fwd_kernel<TM, D><<<static_cast<unsigned>(blocks), kThreads, bytes, stream>>>(ip);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// K2, Z (reference.k2_inverse) and W = Z W0 by nystrom_inverse_fwd_kernel, one block per (b, q head); with
+// `save` also the NS iterates, A, ‖A‖₁‖A‖∞ and Z for the backward. Returns W (B, Hq, m, D).
+template <int D>
+at::Tensor inverse_stage(const Inputs& in, State& st, const at::Tensor& w0_in, bool save, cudaStream_t stream) {
+  const auto f32 = in.q.options().dtype(at::kFloat);
+  const int64_t B = in.batch, H = in.hq, m = in.m, bh = B * H;
+  const at::Tensor w0 = w0_in.contiguous();
+  st.k2 = at::empty({B, H, m, m}, f32);
+  at::Tensor w = at::empty({B, H, m, in.d}, f32);
+  at::Tensor scratch, zs;
+  InvParams ip{};
+  ip.q_land = st.q_land.data_ptr<float>();
+  ip.k_land = st.k_land.data_ptr<float>();
+  ip.w0 = w0.data_ptr<float>();
+  ip.k2 = st.k2.data_ptr<float>();
+  ip.w = w.data_ptr<float>();
+  ip.hq = static_cast<int>(H);
+  ip.groups = static_cast<int>(in.groups);
+  ip.m = static_cast<int>(m);
+  ip.iters = in.iters;
+  ip.ridge = in.kappa > 0.0;
+  ip.kappa = static_cast<float>(in.kappa);
+  if (m > 64) {
+    scratch = at::empty({bh, 2, 128, 128}, f32);
+    ip.scratch = scratch.data_ptr<float>();
+  }
+  if (save) {
+    zs = at::empty({B, H, in.iters + 1, m, m}, f32);
+    st.ns.a = at::empty({B, H, m, m}, f32);
+    const at::Tensor s = at::empty({B, H, 1, 1}, f32);
+    st.ns.s = s;
+    st.z = at::empty({B, H, m, m}, f32);
+    ip.zs = zs.data_ptr<float>();
+    ip.a = st.ns.a.data_ptr<float>();
+    ip.s = s.data_ptr<float>();
+    ip.z = st.z.data_ptr<float>();
+  }
+  if (m <= 32) launch_inverse<2, D>(ip, bh, stream);
+  else if (m <= 64) launch_inverse<4, D>(ip, bh, stream);
+  else launch_inverse<8, D>(ip, bh, stream);
+  if (save) {
+    st.ns.zs.clear();
+    for (int t = 0; t <= in.iters; ++t) st.ns.zs.push_back(zs.select(2, t));
+    if (in.kappa > 0.0) st.ns.k2_input = st.k2;
+  }
+  return w;
+}
 
 // Real-token positions (with a mask) and, when N > m, the landmarks; fills the kernels' pointers in in.p.
 template <typename T, int D>
@@ -332,8 +335,10 @@ at::Tensor k3_values(Inputs& in, cudaStream_t stream) {
   return num.div(den.clamp_min(1e-30).unsqueeze(-1)).view({in.batch, in.hq, in.m, in.d});
 }
 
-// K2, Z, W = Z W0 and the output kernel's key/value buffers (landmarks where n > m, real tokens where n <= m).
-inline void finish_state(Inputs& in, State& st, const at::Tensor& w0) {
+// K2, Z, W = Z W0 and the output kernel's key/value buffers (landmarks where n > m, real tokens where n <= m);
+// `save`: keep what the backward needs (st.k2, st.z, st.ns).
+template <int D>
+void finish_state(Inputs& in, State& st, const at::Tensor& w0, bool save, cudaStream_t stream) {
   const auto i32 = in.q.options().dtype(at::kInt);
   const auto i64 = in.q.options().dtype(at::kLong);
   const bool need_exact = !st.nystrom || in.mask.defined();
@@ -355,9 +360,7 @@ inline void finish_state(Inputs& in, State& st, const at::Tensor& w0) {
   } else {
     st.w0 = w0;
     st.k_land_g = group(in, st.k_land);
-    st.k2 = st.q_land.matmul(st.k_land_g.transpose(-1, -2)).softmax(-1);
-    st.z = k2_inverse(st.k2, in.iters, in.kappa, st.ns);
-    const at::Tensor w = st.z.matmul(w0);
+    const at::Tensor w = inverse_stage<D>(in, st, w0, save, stream);
     if (in.mask.defined()) {
       st.exact = st.n_real.le(in.m);
       const at::Tensor ex = st.exact.view({in.batch, 1, 1, 1});

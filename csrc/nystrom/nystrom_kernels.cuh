@@ -1,5 +1,5 @@
-// Nyström attention: the kernels over the sequence (N-sized work) on CUDA cores. The m x m work
-// (K2, Newton–Schulz, W = Z W0) is ATen fp32 in nystrom_host.cuh.
+// Nyström attention: the kernels over the sequence (N-sized work) and the m x m stage (K2, Newton–Schulz,
+// W = Z W0, one block per (batch, head)) on CUDA cores.
 //
 // Math (hf_attention_backends/ops/nystrom/reference.py): per sequence b with n real tokens, q_s = q·√scale,
 // k_s = k·√scale; landmarks = segment means of the real rows in order (seg = n / m, the last segment takes
@@ -16,6 +16,8 @@
 //                                 split, merged in a fixed order by the host (deterministic)
 //   nystrom_out_fwd_kernel        one block per (query block, q head, batch): online softmax over the key
 //                                 buffer, times the value buffer, plus the conv residual, in q.dtype
+//   nystrom_inverse_fwd_kernel    one block per (batch, q head): K2, Newton–Schulz (all iterates in shared
+//                                 memory, optionally saved for the backward), W = Z W0
 #pragma once
 
 #include "common/tile.cuh"
@@ -310,6 +312,226 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_out_fwd_kernel(const Para
     unsigned* dst = reinterpret_cast<unsigned*>(static_cast<T*>(p.out) + (bh * p.n + row) * D);
 #pragma unroll
     for (int c = 0; c < TD; ++c) dst[tx + 16 * c] = Pair<T>::from_float2(r[c]);
+  }
+}
+
+// The m x m stage of one (batch, q head) per block: K2 = softmax(Q̃ K̃ᵀ), Z = NS(K2) or NS(K2ᵀK2 + λI) K2ᵀ
+// (reference.k2_inverse), W = Z W0. Matrices padded to MP = 16 TM rows/cols (padding never enters the real
+// block: every product sums over k < m only). 256 threads as 16 x 16, thread (ty, tx) owns rows ty + 16 i and
+// columns tx + 16 j (conflict-free shared reads). Buffers M (= A Z), T in dynamic shared memory; A and Z too
+// for MP <= 64, in global scratch for MP = 128 (3 x 64 KB would not fit an sm_80 block).
+struct InvParams {
+  const float* q_land;  // (B, Hq, m, D) fp32 contiguous
+  const float* k_land;  // (B, Hkv, m, D)
+  const float* w0;      // (B, Hq, m, D)
+  float* k2;            // (B, Hq, m, m) out (also read back when kappa > 0)
+  float* w;             // (B, Hq, m, D) out: Z W0
+  float* scratch;       // MP = 128: (B Hq, 2, MP, MP) for A and Z; else unused
+  float* zs;            // optional (B, Hq, iters + 1, m, m): the iterates Z_0 .. Z_iters of NS
+  float* z;             // optional (B, Hq, m, m): the final Z (after the K2ᵀ factor when kappa > 0)
+  float* a;             // optional (B, Hq, m, m): the matrix NS inverts
+  float* s;             // optional (B Hq): ‖A‖₁‖A‖∞
+  int hq, groups, m, iters;
+  bool ridge;           // kappa_star > 0
+  float kappa;
+};
+
+// acc[i][j] = Σ_{k < kdim} lp(ty + 16 i, k) lq(k, tx + 16 j).
+template <int TM, int TN, typename LP, typename LQ>
+__device__ __forceinline__ void inv_product(float (&acc)[TM][TN], int kdim, LP lp, LQ lq, int ty, int tx) {
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
+  for (int k = 0; k < kdim; ++k) {
+    float a[TM], b[TN];
+#pragma unroll
+    for (int i = 0; i < TM; ++i) a[i] = lp(ty + 16 * i, k);
+#pragma unroll
+    for (int j = 0; j < TN; ++j) b[j] = lq(k, tx + 16 * j);
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+  }
+}
+
+// ‖X‖₁‖X‖∞ of the m x m block of X (row stride MP), fixed order; every thread gets the value.
+template <int MP>
+__device__ __forceinline__ float inv_norm_product(const float* x, int m, float* red) {
+  __syncthreads();  // red's previous readers are done
+  const int t = threadIdx.x;
+  if (t < m) {
+    float cs = 0.f, rs = 0.f;
+    for (int r = 0; r < m; ++r) {
+      cs += fabsf(x[r * MP + t]);
+      rs += fabsf(x[t * MP + r]);
+    }
+    red[t] = cs;
+    red[MP + t] = rs;
+  }
+  __syncthreads();
+  if (t == 0) {
+    float cm = 0.f, rm = 0.f;
+    for (int r = 0; r < m; ++r) {
+      cm = fmaxf(cm, red[r]);
+      rm = fmaxf(rm, red[MP + r]);
+    }
+    red[2 * MP] = cm * rm;
+  }
+  __syncthreads();
+  return red[2 * MP];
+}
+
+// Grid (B Hq), 256 threads, dynamic shared memory inv_smem_bytes<TM>().
+template <int TM>
+constexpr int inv_smem_bytes() {
+  return (TM == 8 ? 2 : 4) * (16 * TM) * (16 * TM) * static_cast<int>(sizeof(float));
+}
+
+template <int TM, int D>
+__global__ void __launch_bounds__(kThreads) nystrom_inverse_fwd_kernel(const InvParams p) {
+  constexpr int MP = 16 * TM, MM = MP * MP, TN = D / 16;
+  constexpr bool kGlobalAZ = TM == 8;
+  extern __shared__ float4 inv_smem[];
+  __shared__ float red[2 * MP + 1];
+  float* const mz = reinterpret_cast<float*>(inv_smem);
+  float* const tt = mz + MM;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int bh = blockIdx.x, b = bh / p.hq, h = bh % p.hq, g = h / p.groups, m = p.m;
+  float* a;
+  float* z;
+  if constexpr (kGlobalAZ) {
+    a = p.scratch + (long long)bh * 2 * MM;
+    z = a + MM;
+  } else {
+    a = mz + 2 * MM;
+    z = mz + 3 * MM;
+  }
+  const float* ql = p.q_land + (long long)bh * m * D;
+  const float* kl = p.k_land + ((long long)b * (p.hq / p.groups) + g) * m * D;
+  float* k2g = p.k2 + (long long)bh * m * m;
+  const long long mm2 = (long long)m * m;
+  auto at = [](const float* x) { return [x](int r, int c) { return x[r * MP + c]; }; };
+  auto eye = [m](int r, int c, float v) { return r == c && r < m ? v : 0.f; };
+  float acc[TM][TM];
+
+  // K2 = row softmax of Q̃ K̃ᵀ (landmarks carry √scale each)
+  inv_product(acc, D, [&](int r, int d) { return r < m ? __ldg(ql + r * D + d) : 0.f; },
+              [&](int d, int c) { return c < m ? __ldg(kl + c * D + d) : 0.f; }, ty, tx);
+  float* const k2s = p.ridge ? mz : a;
+#pragma unroll
+  for (int i = 0; i < TM; ++i) {
+    const int r = ty + 16 * i;
+    float mx = -inf();
+#pragma unroll
+    for (int j = 0; j < TM; ++j) mx = fmaxf(mx, tx + 16 * j < m ? acc[i][j] : -inf());
+    mx = halfwarp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < TM; ++j) {
+      acc[i][j] = tx + 16 * j < m ? __expf(acc[i][j] - mx) : 0.f;
+      sum += acc[i][j];
+    }
+    sum = halfwarp_sum(sum);
+#pragma unroll
+    for (int j = 0; j < TM; ++j) {
+      const int c = tx + 16 * j;
+      const float v = r < m ? acc[i][j] / sum : 0.f;
+      k2s[r * MP + c] = v;
+      if (r < m && c < m) k2g[r * m + c] = v;
+    }
+  }
+  __syncthreads();
+  if (p.ridge) {  // A = K2ᵀK2 + λI, λ = ‖K2‖₁‖K2‖∞ / kappa
+    const float lam = inv_norm_product<MP>(mz, m, red) / p.kappa;
+    inv_product(acc, m, [&](int r, int k) { return mz[k * MP + r]; }, at(mz), ty, tx);
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TM; ++j) {
+        const int r = ty + 16 * i, c = tx + 16 * j;
+        a[r * MP + c] = acc[i][j] + eye(r, c, lam);
+      }
+    __syncthreads();
+  }
+  const float s = inv_norm_product<MP>(a, m, red);
+  if (p.s != nullptr && threadIdx.x == 0) p.s[bh] = s;
+  for (int e = threadIdx.x; e < MM; e += kThreads) {  // Z₀ = Aᵀ / s
+    const int r = e / MP, c = e % MP;
+    const float v = a[c * MP + r] / s;
+    z[e] = v;
+    if (r < m && c < m) {
+      if (p.a != nullptr) p.a[bh * mm2 + c * m + r] = a[c * MP + r];
+      if (p.zs != nullptr) p.zs[(long long)bh * (p.iters + 1) * mm2 + r * m + c] = v;
+    }
+  }
+  __syncthreads();
+
+  for (int it = 0; it < p.iters; ++it) {  // Z ← ¼Z(13I − M(15I − M(7I − M))), M = AZ
+    inv_product(acc, m, at(a), at(z), ty, tx);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TM; ++j) {
+        const int r = ty + 16 * i, c = tx + 16 * j;
+        mz[r * MP + c] = acc[i][j];
+        tt[r * MP + c] = eye(r, c, 7.f) - acc[i][j];
+      }
+    __syncthreads();
+#pragma unroll 1
+    for (int step = 0; step < 2; ++step) {  // T ← 15I − M T, then T ← 13I − M T
+      inv_product(acc, m, at(mz), at(tt), ty, tx);
+      __syncthreads();
+      const float c0 = step == 0 ? 15.f : 13.f;
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TM; ++j) {
+          const int r = ty + 16 * i, c = tx + 16 * j;
+          tt[r * MP + c] = eye(r, c, c0) - acc[i][j];
+        }
+      __syncthreads();
+    }
+    inv_product(acc, m, [&](int r, int k) { return 0.25f * z[r * MP + k]; }, at(tt), ty, tx);
+    __syncthreads();
+    float* zs = p.zs != nullptr ? p.zs + ((long long)bh * (p.iters + 1) + it + 1) * mm2 : nullptr;
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TM; ++j) {
+        const int r = ty + 16 * i, c = tx + 16 * j;
+        z[r * MP + c] = acc[i][j];
+        if (zs != nullptr && r < m && c < m) zs[r * m + c] = acc[i][j];
+      }
+    __syncthreads();
+  }
+
+  if (p.ridge) {  // Z ← Z K2ᵀ (K2 read back from global: written by this block before a barrier)
+    inv_product(acc, m, at(z), [&](int k, int c) { return c < m ? k2g[c * m + k] : 0.f; }, ty, tx);
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TM; ++j) z[(ty + 16 * i) * MP + tx + 16 * j] = acc[i][j];
+    __syncthreads();
+  }
+  if (p.z != nullptr) {
+    for (int e = threadIdx.x; e < m * m; e += kThreads) p.z[bh * mm2 + e] = z[(e / m) * MP + e % m];
+  }
+
+  // W = Z W0 (m x D)
+  const float* w0 = p.w0 + (long long)bh * m * D;
+  float accw[TM][TN];
+  inv_product(accw, m, at(z), [&](int k, int c) { return __ldg(w0 + k * D + c); }, ty, tx);
+  float* w = p.w + (long long)bh * m * D;
+#pragma unroll
+  for (int i = 0; i < TM; ++i) {
+    const int r = ty + 16 * i;
+    if (r >= m) continue;
+#pragma unroll
+    for (int j = 0; j < TN; ++j) w[r * D + tx + 16 * j] = accw[i][j];
   }
 }
 

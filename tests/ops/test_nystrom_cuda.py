@@ -109,6 +109,12 @@ def test_newton_iterations(iters):
     check(*make_inputs(2, 2, 1, 100, 100, 32), m=8, iters=iters, kappa=0.0 if iters != 1 else 3.0)
 
 
+# the m x m kernel's tilings: m <= 32, <= 64, <= 128 (A and Z in global scratch), m not a multiple of 16
+@pytest.mark.parametrize("m, iters, kappa", [(33, 6, 0.0), (65, 0, 0.0), (100, 6, 2.0), (127, 3, 0.0)])
+def test_inverse_kernel_tilings(m, iters, kappa):
+    check(*make_inputs(1, 2, 1, 300, 300, 32, seed=m), m=m, iters=iters, kappa=kappa)
+
+
 def mixed_mask(b, n, m, seed=0):
     """(B, N) bool: row 0 no real token, row 1 m real (exact path), row 2 scattered m + 1 real, rows >= 3 left
     padding with more than m real; every other shape mixes exact and landmark sequences in one batch."""
