@@ -400,8 +400,9 @@ def _versions() -> dict:
 
     from . import __version__
 
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"hf_attention_backends": __version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "cuda": torch.version.cuda}
+            "transformers": transformers.__version__, "cuda": torch.version.cuda, "gpu": gpu}
 
 
 def run_info(args) -> int:

@@ -36,6 +36,7 @@ def _check_common_schema(report, model, compared):
     assert Path(report["model_path"], "config.json").is_file()
     assert report["versions"]["torch"] == torch.__version__
     assert report["versions"]["hf_attention_backends"] == hf_attention_backends.__version__
+    assert report["versions"]["gpu"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
     assert report["baseline"]["time_s"] > 0
     for row in report["results"]:
         assert all(math.isfinite(row[k]) for k in RESULT_KEYS - {"backend", "config"}), row
