@@ -77,3 +77,18 @@ def assert_sanitizer_clean(tool: str, script: str) -> None:
     res = subprocess.run([SANITIZER, "--tool", tool, "--error-exitcode", "1", sys.executable, "-c", script],
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+
+
+def assert_compiled_matches_eager(fn, *leaves, backend: str) -> None:
+    """fn(*leaves) under torch.compile(fullgraph=True, backend=backend): output and the gradients of
+    out.sum() w.r.t. every leaf bitwise equal to eager (the op must not break the graph)."""
+    out = torch.compile(fn, fullgraph=True, backend=backend)(*leaves)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    eager = fn(*leaves)
+    eager.sum().backward()
+    assert torch.equal(out, eager)
+    for got, t in zip(grads, leaves):
+        assert torch.equal(got, t.grad)

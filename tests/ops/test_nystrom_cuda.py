@@ -19,7 +19,8 @@ import hf_attention_backends as hfab
 from hf_attention_backends import _ext
 from hf_attention_backends.ops.nystrom import reference
 from tests.inputs import make_padding
-from tests.ops.cuda_helpers import make_inputs, poison, replay_in_cuda_graph, strided_mask, strided_views
+from tests.ops.cuda_helpers import (assert_compiled_matches_eager, make_inputs, poison, replay_in_cuda_graph,
+                                   strided_mask, strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -223,17 +224,7 @@ def test_compile_fullgraph(backend):
     def fn(q, k, v, conv):
         return hfab.nystrom_attention(q, k, v, num_landmarks=16, conv_weight=conv) * 2.0
 
-    compiled = torch.compile(fn, fullgraph=True, backend=backend)
-    out = compiled(q, k, v, conv)
-    out.sum().backward()
-    grads = [t.grad.clone() for t in (q, k, v, conv)]
-    for t in (q, k, v, conv):
-        t.grad = None
-    eager = fn(q, k, v, conv)
-    eager.sum().backward()
-    assert torch.equal(out, eager)
-    for got, t in zip(grads, (q, k, v, conv)):
-        assert torch.equal(got, t.grad)
+    assert_compiled_matches_eager(fn, q, k, v, conv, backend=backend)
 
 
 def test_unsupported_configurations_raise_clear_errors():

@@ -15,8 +15,8 @@ import hf_attention_backends as hfab
 from hf_attention_backends import _ext
 from hf_attention_backends.ops.race import reference
 from tests.inputs import make_padding
-from tests.ops.cuda_helpers import (DEV, assert_sanitizer_clean, make_inputs, poison, replay_in_cuda_graph, strided_mask,
-                                   strided_views)
+from tests.ops.cuda_helpers import (DEV, assert_compiled_matches_eager, assert_sanitizer_clean, make_inputs, poison,
+                                   replay_in_cuda_graph, strided_mask, strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -350,17 +350,7 @@ def test_compile_fullgraph(backend):
     def fn(q, k, v, beta):
         return hfab.race_attention(q, k, v, planes=planes, beta=beta, causal=True) * 2.0
 
-    compiled = torch.compile(fn, fullgraph=True, backend=backend)
-    out = compiled(q, k, v, beta)
-    out.sum().backward()
-    grads = [t.grad.clone() for t in (q, k, v, beta)]
-    for t in (q, k, v, beta):
-        t.grad = None
-    eager = fn(q, k, v, beta)
-    eager.sum().backward()
-    assert torch.equal(out, eager)
-    for got, t in zip(grads, (q, k, v, beta)):
-        assert torch.equal(got, t.grad)
+    assert_compiled_matches_eager(fn, q, k, v, beta, backend=backend)
 
 
 SANITIZED_RUN = """

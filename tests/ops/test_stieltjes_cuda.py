@@ -18,8 +18,8 @@ import hf_attention_backends as hfab
 from hf_attention_backends import _ext
 from hf_attention_backends.ops.stieltjes import reference
 from tests.inputs import make_padding
-from tests.ops.cuda_helpers import (DEV, assert_sanitizer_clean, make_inputs, poison, replay_in_cuda_graph, strided_mask,
-                                   strided_views)
+from tests.ops.cuda_helpers import (DEV, assert_compiled_matches_eager, assert_sanitizer_clean, make_inputs, poison,
+                                   replay_in_cuda_graph, strided_mask, strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -299,16 +299,7 @@ def test_compile_fullgraph(backend):
     def fn(q, k, v):
         return hfab.stieltjes_attention(q, k, v, causal=True) * 2.0
 
-    out = torch.compile(fn, fullgraph=True, backend=backend)(q, k, v)
-    out.sum().backward()
-    grads = [t.grad.clone() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    eager = fn(q, k, v)
-    eager.sum().backward()
-    assert torch.equal(out, eager)
-    for got, t in zip(grads, (q, k, v)):
-        assert torch.equal(got, t.grad)
+    assert_compiled_matches_eager(fn, q, k, v, backend=backend)
 
 
 def test_unsupported_configurations_raise_clear_errors():
