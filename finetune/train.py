@@ -18,8 +18,10 @@ Steps (the recipe, ``finetune/config.py``, says which run):
    (× T²) + ``hidden_weight`` × MSE of the last hidden state; real tokens only.
 
 Accelerate handles devices, DDP/FSDP and mixed precision; gradient accumulation, warm-up + cosine schedule and
-clipping per stage. Output in ``output_dir``: ``log.csv`` (step, stage, loss, lr, grad_norm, evaluation
-metrics, tokens/s, elapsed; ``finetune/logs.py``), ``log.jsonl`` (every event, calibration report included),
+clipping per stage. Losses are means over the real tokens of the global micro-batch (:func:`token_mean`), so P
+processes with batch b train like one with batch P·b (``finetune/README.md``). Output in ``output_dir``:
+``log.csv`` (step, stage, loss, lr, grad_norm, evaluation metrics, tokens/s, elapsed; ``finetune/logs.py``),
+``log.jsonl`` (every event, calibration report included),
 ``tensorboard/`` (``train.tensorboard``), ``curves.png`` (``train.plot``), ``checkpoints/<stage>-<step>/``
 (``train.save_every``; resume with ``--resume <folder>|latest``, ``finetune/checkpoint.py``),
 ``calibration.json``, ``transfer/`` and ``final/`` (``save_pretrained`` of the converted model, loadable with
@@ -61,10 +63,21 @@ from .logs import RunLog, plot_curves, stage_rank, tensorboard_writer_class
 from .models import load_model
 
 
-def masked_mean(values, mask):
-    """Mean of ``values`` (B, N) over ``mask`` (B, N) = 1."""
+def token_mean(accelerator, total, count):
+    """The mean over the global micro-batch (every process's rows) from this process's ``total`` and ``count``.
+
+    Returns ``total × P / Σ_processes count`` (count clamped to >= 1): DDP averages the P gradients and the
+    logged loss is the mean over processes, so both equal the single-process mean over the same rows however
+    the real tokens split between processes (``total / count`` per process would weight them per process).
+    """
+    count = accelerator.reduce(count.detach().to(torch.float32), "sum")
+    return total * accelerator.num_processes / count.clamp(min=1)
+
+
+def masked_mean(accelerator, values, mask):
+    """Mean of ``values`` (B, N) over ``mask`` (B, N) = 1 of every process's micro-batch (:func:`token_mean`)."""
     mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+    return token_mean(accelerator, (values * mask).sum(), mask.sum())
 
 
 def next_token_nll(logits, labels):
@@ -75,12 +88,13 @@ def next_token_nll(logits, labels):
     return nll, (labels != -100).sum()
 
 
-def logit_kl(student, teacher, mask, temperature: float):
-    """KL(teacher ‖ student) per token at ``temperature``, × T², averaged over real tokens."""
+def logit_kl(accelerator, student, teacher, mask, temperature: float):
+    """KL(teacher ‖ student) per token at ``temperature``, × T², averaged over the real tokens of every
+    process's micro-batch."""
     t = F.log_softmax(teacher.float() / temperature, dim=-1)
     s = F.log_softmax(student.float() / temperature, dim=-1)
     kl = (t.exp() * (t - s)).sum(-1)
-    return masked_mean(kl, mask) * temperature ** 2
+    return masked_mean(accelerator, kl, mask) * temperature ** 2
 
 
 def last_hidden(out):
@@ -106,7 +120,7 @@ def evaluate(accelerator, model, teacher, loader, causal: bool, max_batches=None
         if max_batches is not None and i >= max_batches:
             break
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        kwargs = forward_kwargs(model, batch)
+        kwargs = forward_kwargs(accelerator.unwrap_model(model), batch)  # a DDP wrapper has no .config
         with accelerator.autocast():
             out = model(**kwargs)
             ref = teacher(**kwargs) if teacher is not None and teacher is not model else None
@@ -304,8 +318,9 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
 
     if recipe.calibrate.enabled:  # redone on resume: the Stieltjes order lives in the config, not the state
         cal = recipe.calibrate
+        global_batch = d.batch_size * accelerator.num_processes  # every process calibrates on the same rows
         batches = [{k: v.to(accelerator.device) for k, v in b.items()}
-                   for _, b in zip(range(cal.batches), torch.utils.data.DataLoader(train_rows, d.batch_size))]
+                   for _, b in zip(range(cal.batches), torch.utils.data.DataLoader(train_rows, global_batch))]
         report = calibrate(student, batches, race_betas=cal.race_betas, stieltjes_orders=cal.stieltjes_orders,
                            temperatures=cal.stieltjes_temperatures, steps=cal.steps, lr=cal.lr)
         if state is None:
@@ -333,8 +348,8 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
             def transfer_loss(wrapped, batch):
                 forcing.token_mask, forcing.terms = batch["attention_mask"], {}
                 wrapped(**forward_kwargs(student, batch))
-                layer_losses = forcing.losses()
-                return sum(layer_losses.values()) / len(layer_losses)
+                return sum(token_mean(accelerator, err, count) for err, _, count in forcing.terms.values()) / len(
+                    forcing.terms)
 
             model, losses = run_stage("transfer", accelerator, student, params, transfer_loss, train_loader,
                                       recipe.transfer.steps, recipe.transfer.lr, recipe, log, evaluate_fn,
@@ -374,15 +389,15 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
             loss = torch.zeros((), device=mask.device)
             if ft.lm_weight:
                 nll, count = next_token_nll(out.logits, batch["labels"])
-                loss = loss + ft.lm_weight * nll / count.clamp(min=1)
+                loss = loss + ft.lm_weight * token_mean(accelerator, nll, count)
             if ft.kl_weight or ft.hidden_weight:
                 with torch.no_grad():
                     ref = teacher(**kwargs)
                 if ft.kl_weight:
-                    loss = loss + ft.kl_weight * logit_kl(out.logits, ref.logits, mask, ft.temperature)
+                    loss = loss + ft.kl_weight * logit_kl(accelerator, out.logits, ref.logits, mask, ft.temperature)
                 if ft.hidden_weight:
                     err = ((last_hidden(out).float() - last_hidden(ref).float()) ** 2).mean(-1)
-                    loss = loss + ft.hidden_weight * masked_mean(err, mask)
+                    loss = loss + ft.hidden_weight * masked_mean(accelerator, err, mask)
             return loss
 
         model, losses = run_stage("fine_tune", accelerator, model, params, finetune_loss, train_loader, ft.steps,

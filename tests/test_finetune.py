@@ -247,3 +247,44 @@ def test_hfab_finetune_command_errors(tmp_path, capsys):
     assert "train.save_every=-1 must be >= 0" in capsys.readouterr().err
     assert cli.main(["finetune", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "is not a file" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
+    """2 gloo processes × batch 2 vs 1 process × batch 4, both 2 micro-batches per step, same seed.
+
+    Each step sees the same 8 rows (accelerate gives process i the batches i, i + 2, ... of the seeded order,
+    so a global micro-batch is one batch of 4 in that order); only the fp32 summation and all-reduce order
+    differ, ~1e-7 relative on CPU. Averaging per-process token means instead of the global token mean, or
+    calibrating on different rows, shifts these losses by 7e-5 to 2e-3 relative; rtol 1e-5 separates both.
+    """
+    try:
+        import accelerate.commands.launch  # noqa: F401
+    except ImportError as err:
+        pytest.fail(f"accelerate's launcher is a test dependency and cannot be imported: {err}")
+    recipe = smoke_recipe(tmp_path / "one", save_every=0, grad_accum=2, plot=False)
+    recipe.data.batch_size = 4
+    run(recipe)
+    config = tmp_path / "ddp.yaml"
+    config.write_text(SMOKE.read_text().replace("  batch_size: 4\n", "  batch_size: 2\n")
+                      .replace("grad_accum: 1", "grad_accum: 2") + "  plot: false\n")
+    assert load_recipe(config).data.batch_size == 2 and load_recipe(config).train.grad_accum == 2
+    # accelerate's `--cpu` launches one process whatever --num_processes says; `--multi_gpu` runs torchrun,
+    # and ACCELERATE_USE_CPU makes each process's Accelerator join a CPU (gloo) process group
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           str(ROOT / "finetune" / "train.py"), "--config", str(config),
+                           "--output-dir", str(tmp_path / "two")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = read_csv(tmp_path / "one" / "log.csv"), read_csv(tmp_path / "two" / "log.csv")
+    # same rows in the same order: a second process running on its own would have written its rows too
+    assert [(r["stage"], r["step"], sorted(r)) for r in two] == [(r["stage"], r["step"], sorted(r)) for r in one]
+    losses = [(r["stage"], r["step"]) for r in one if "loss" in r]
+    assert losses == [(s, float(i)) for s in ("transfer", "fine_tune") for i in (1, 2, 3)]
+    for a, b in zip(one, two):
+        for key in ("loss", "lr", "grad_norm", "ppl", "top1_agreement"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=0), (a["stage"], a["step"], key)
