@@ -92,3 +92,14 @@ def assert_compiled_matches_eager(fn, *leaves, backend: str) -> None:
     assert torch.equal(out, eager)
     for got, t in zip(grads, leaves):
         assert torch.equal(got, t.grad)
+
+
+def assert_kernels_registered(backend: str) -> None:
+    """The compiled extension loaded and hfab::<backend>_fwd / _bwd dispatch to its CUDA kernels
+    (registered from csrc/<backend>/<backend>_{fwd,bwd}.cu, not the guard)."""
+    from hf_attention_backends import _ext
+
+    assert _ext.extension_loaded(), f"hf_attention_backends._C failed to load: {_ext.extension_error()}"
+    for op in (f"{backend}_fwd", f"{backend}_bwd"):
+        table = torch._C._dispatch_dump(f"hfab::{op}")
+        assert f"{op}.cu" in table, f"hfab::{op} CUDA kernel is not the compiled one:\n{table}"

@@ -7,20 +7,15 @@ rounded to the input dtype, as the kernel does). FACTOR is 3, not 2: Newton–Sc
 the condition number of K2, and two fp32 computations in different orders get different (equally large) errors.
 Outputs are allocated into NaN-poisoned memory so an element a kernel forgets to write fails the test.
 """
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import hf_attention_backends as hfab
-from hf_attention_backends import _ext
 from hf_attention_backends.ops.nystrom import reference
 from tests.inputs import make_padding
-from tests.ops.cuda_helpers import (assert_compiled_matches_eager, make_inputs, poison, replay_in_cuda_graph,
-                                   strided_mask, strided_views)
+from tests.ops.cuda_helpers import (assert_compiled_matches_eager, assert_kernels_registered, assert_sanitizer_clean,
+                                    make_inputs, poison, replay_in_cuda_graph, strided_mask, strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -76,10 +71,7 @@ def check(q, k, v, *, m, iters=6, kappa=0.0, conv=None, mask=None, scale=None, s
 
 
 def test_extension_registers_the_cuda_kernels():
-    assert _ext.extension_loaded(), f"hf_attention_backends._C failed to load: {_ext.extension_error()}"
-    for op in ("nystrom_fwd", "nystrom_bwd"):
-        table = torch._C._dispatch_dump(f"hfab::{op}")
-        assert f"{op}.cu" in table, f"hfab::{op} CUDA kernel is not the compiled one:\n{table}"
+    assert_kernels_registered("nystrom")
 
 
 # (N, m, D): N = 1, N < m, N = m, N = m + 1, ragged tails, a long sequence with the most landmarks
@@ -247,7 +239,6 @@ def test_unsupported_configurations_raise_clear_errors():
         fwd(q, k, v, make_conv(2, 4, q.dtype), None, 4, 6, 0.0, 0.125)
 
 
-SANITIZER = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
 SANITIZED_RUN = """
 import torch
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -265,8 +256,4 @@ torch.cuda.synchronize()
 @pytest.mark.slow
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_compute_sanitizer_clean(tool):
-    if not os.path.exists(SANITIZER):
-        pytest.skip(f"compute-sanitizer not found (PATH, {SANITIZER})")
-    res = subprocess.run([SANITIZER, "--tool", tool, "--error-exitcode", "1", sys.executable, "-c", SANITIZED_RUN],
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+    assert_sanitizer_clean(tool, SANITIZED_RUN)
