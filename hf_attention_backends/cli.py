@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind, text in KNOBS:
         verify.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, metavar=kind.__name__.upper(),
                             help=text)
+    verify.add_argument("--check-reference", action="store_true",
+                        help="with --device cuda: also run the model in float32 on the CPU (the PyTorch reference "
+                             "ops) and gate each backend's GPU output against it: mean|Δ| <= 2x the baseline's own "
+                             "GPU-vs-CPU mean|Δ| (exit 1 on failure)")
     verify.add_argument("--json", metavar="PATH|-", help="also write the results as JSON to PATH (- = stdout only)")
     verify.add_argument("--report", metavar="DIR",
                         help="also run the model_tests checks (per-layer parity, behaviour, knob and length sweeps, "
@@ -287,6 +291,9 @@ def run_verify(args) -> int:
     device, dtype = resolve_device(args.device), DTYPES[args.dtype]
     if args.repeats < 1:
         raise CliError(f"--repeats {args.repeats} must be >= 1")
+    if args.check_reference and device.type != "cuda":
+        raise CliError(f"--check-reference compares the GPU kernels with the CPU reference; it needs --device "
+                       f"cuda[:N], got --device {args.device!r}")
     corpus_name, texts = _texts(args, spec)
     path, model, tokenizer = _load(args.model, dtype, device)
 
@@ -310,7 +317,7 @@ def run_verify(args) -> int:
     baseline = {"name": spec.baseline, "time_s": ref_time}
     if spec.causal:
         baseline["perplexity"] = perplexity(ref, batch["input_ids"], mask)
-    results = []
+    results, outputs = [], {}
     for backend in tqdm(backends, desc=f"hfab verify {args.model}", file=sys.stderr, disable=None):
         try:
             enable_backend(model, backend, **configs[backend])
@@ -321,6 +328,7 @@ def run_verify(args) -> int:
         except (ValueError, NotImplementedError) as err:
             raise CliError(f"--backend {backend}: {err}") from err
         results.append({"backend": backend, "config": configs[backend], "time_s": seconds, **metrics(out, ref)})
+        outputs[backend] = out
 
     report = {
         "command": "verify", "model": args.model, "model_path": str(path), "device": str(device),
@@ -331,13 +339,60 @@ def run_verify(args) -> int:
     }
     if "exact" in backends:
         report["exact_gates"] = _exact_gates(model, batch)
-    _emit(report, _verify_table(report) + _gates_table(report.get("exact_gates")), args.json)
+    if args.check_reference:
+        report["reference_check"] = _reference_check(args, ref, outputs, configs, dict(batch), metrics)
+    _emit(report, _verify_table(report) + _gates_table(report.get("exact_gates"))
+          + _reference_table(report.get("reference_check")), args.json)
     if args.report:
         _write_report(args, model, tokenizer, backends, configs, report)
+    failed = False
     if "exact_gates" in report and not report["exact_gates"]["passed"]:
         print("hfab verify: the exact backend failed a gate (table above)", file=sys.stderr)
-        return 1
-    return 0
+        failed = True
+    if "reference_check" in report and not report["reference_check"]["passed"]:
+        print("hfab verify: a backend's GPU output is farther from the CPU reference than allowed (table above)",
+              file=sys.stderr)
+        failed = True
+    return int(failed)
+
+
+def _reference_check(args, ref, outputs: dict, configs: dict, batch: dict, metrics) -> dict:
+    """Each backend on the GPU against the same backend in float32 on the CPU (the PyTorch reference ops).
+
+    The envelope is the baseline attention's own GPU-vs-CPU distance (dtype and kernel rounding of the
+    softmax model); a backend passes when its mean|Δ| to its CPU reference is at most twice that.
+    """
+    from . import disable_backend, enable_backend
+
+    _, cpu_model, _ = _load(args.model, torch.float32, torch.device("cpu"))
+    cpu_batch = {key: value.cpu() for key, value in batch.items()}
+    cpu_forward = ((lambda: cpu_model(**cpu_batch, use_cache=False).logits) if MODELS[args.model].causal
+                   else (lambda: cpu_model(**cpu_batch).last_hidden_state))
+    with torch.inference_mode():
+        envelope = metrics(ref.cpu(), cpu_forward())
+        limit = 2.0 * envelope["mean_abs_diff"]
+        check = {"envelope": envelope, "limit_mean_abs": limit, "backends": {}}
+        for backend, out in outputs.items():
+            enable_backend(cpu_model, backend, **configs[backend])
+            try:
+                got = metrics(out.cpu(), cpu_forward())
+            finally:
+                disable_backend(cpu_model)
+            check["backends"][backend] = {**got, "passed": got["mean_abs_diff"] <= limit}
+    check["passed"] = all(entry["passed"] for entry in check["backends"].values())
+    return check
+
+
+def _reference_table(check: Optional[dict]) -> str:
+    if check is None:
+        return ""
+    lines = ["", f"GPU kernels vs the float32 CPU reference (limit mean|Δ| <= 2 x the baseline's GPU-vs-CPU "
+                 f"{check['envelope']['mean_abs_diff']:.3e} = {check['limit_mean_abs']:.3e}):"]
+    for backend, entry in check["backends"].items():
+        verdict = "pass" if entry["passed"] else "FAIL"
+        lines.append(f"  {backend:<10} mean|Δ| {entry['mean_abs_diff']:.3e}  max|Δ| {entry['max_abs_diff']:.3e}  "
+                     f"{verdict}")
+    return "\n".join(lines)
 
 
 def _exact_gates(model, batch) -> dict:

@@ -149,6 +149,7 @@ def test_verify_smollm2_causal_backends(smollm2_cache, capsys):
     (["--num-texts", "100000"], "n=100000 sentences requested but the corpus has only"),
     (["--model", "smollm2", "--seq-len", "1"], "--seq-len 1 must be >= 2"),
     (["--repeats", "0"], "--repeats 0 must be >= 1"),
+    (["--check-reference"], "--check-reference .* needs --device cuda.*got --device 'cpu'"),
 ])
 def test_verify_unsupported_choices_exit_2_with_a_message(capsys, argv, message):
     rc, out, err = _run(capsys, "verify", *argv)

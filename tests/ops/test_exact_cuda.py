@@ -13,8 +13,9 @@ import hf_attention_backends as hfab
 from benchmarks.bench_exact import fp32_fma_tflops, packed_half_fma_tflops
 from hf_attention_backends.ops.exact import reference
 from tests.inputs import make_padding
-from tests.ops.cuda_helpers import (DEV, assert_compiled_matches_eager, assert_kernels_registered, make_inputs, poison,
-                                    replay_in_cuda_graph, strided_mask, strided_views)
+from tests.ops.cuda_helpers import (DEV, assert_compiled_matches_eager, assert_kernels_registered,
+                                    assert_sanitizer_clean, make_inputs, poison, replay_in_cuda_graph, strided_mask,
+                                    strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -254,3 +255,23 @@ def test_fma_probes_report_a_rate(probe, flops_per_lane_clock):
     rate = probe(blocks_per_sm=2, iters=64)
     peak = torch.cuda.get_device_properties(0).multi_processor_count * 2.5e9 * 128 * flops_per_lane_clock / 1e12
     assert 0.1 < rate < peak, f"{probe.__name__}: {rate:.2f} TFLOP/s outside (0.1, {peak:.0f})"
+
+
+SANITIZED_RUN = """
+import torch
+g = torch.Generator(device="cuda").manual_seed(0)
+mask = torch.arange(70, device="cuda")[None, :] < torch.tensor([[70], [9]], device="cuda")
+for d in (32, 64, 128):
+    q = torch.randn(2, 4, 70, d, device="cuda", generator=g).half()
+    k, v = (torch.randn(2, 2, 70, d, device="cuda", generator=g).half() for _ in range(2))
+    for causal in (False, True):
+        out, lse = torch.ops.hfab.exact_fwd(q, k, v, mask, causal, d ** -0.5)
+        grads = torch.ops.hfab.exact_bwd(torch.randn_like(out), q, k, v, out, lse, mask, causal, d ** -0.5)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_clean(tool):
+    assert_sanitizer_clean(tool, SANITIZED_RUN)
