@@ -20,11 +20,15 @@ __device__ __forceinline__ float plus(float a, float b) { return a + b; }
 template <typename V> __device__ __forceinline__ V splat(float x);
 template <> __device__ __forceinline__ __half2 splat<__half2>(float x) { return __floats2half2_rn(x, x); }
 template <> __device__ __forceinline__ float splat<float>(float x) { return x; }
+template <typename V> V host_splat(float x);
+template <> __half2 host_splat<__half2>(float x) { return __half2(__float2half_rn(x), __float2half_rn(x)); }
+template <> float host_splat<float>(float x) { return x; }
 
 // a <- a * 0.5 + 0.25 converges to 0.5: no overflow, no denormals; `iters` at run time keeps the loop.
+// mul and add arrive as kernel arguments: with compile-time constants ptxas emits the immediate form of
+// HFMA2, which issues at half the rate on sm_90 (measured 66 against 130 TFLOP/s on the H200).
 template <typename V>
-__global__ void __launch_bounds__(kProbeThreads) fma_probe_kernel(V* out, int iters) {
-  const V mul = splat<V>(0.5f), add = splat<V>(0.25f);
+__global__ void __launch_bounds__(kProbeThreads) fma_probe_kernel(V* out, int iters, V mul, V add) {
   V a[kProbeChains];
 #pragma unroll
   for (int c = 0; c < kProbeChains; ++c) a[c] = splat<V>(0.001f * (threadIdx.x + c));
@@ -49,9 +53,10 @@ template <typename V> int time_probe(int blocks, int iters, float* ms) {
   if (err == cudaSuccess) err = cudaEventCreate(&start);
   if (err == cudaSuccess) err = cudaEventCreate(&stop);
   if (err == cudaSuccess) {
-    fma_probe_kernel<V><<<blocks, kProbeThreads>>>(out, iters);
+    const V mul = host_splat<V>(0.5f), add = host_splat<V>(0.25f);
+    fma_probe_kernel<V><<<blocks, kProbeThreads>>>(out, iters, mul, add);
     cudaEventRecord(start);
-    fma_probe_kernel<V><<<blocks, kProbeThreads>>>(out, iters);
+    fma_probe_kernel<V><<<blocks, kProbeThreads>>>(out, iters, mul, add);
     cudaEventRecord(stop);
     err = cudaEventSynchronize(stop);
   }

@@ -258,7 +258,7 @@ def test_fma_probes_report_a_rate(probe, flops_per_lane_clock):
 
 
 SANITIZED_RUN = """
-import torch
+import torch, hf_attention_backends
 g = torch.Generator(device="cuda").manual_seed(0)
 mask = torch.arange(70, device="cuda")[None, :] < torch.tensor([[70], [9]], device="cuda")
 for d in (32, 64, 128):
