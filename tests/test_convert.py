@@ -238,3 +238,20 @@ def test_from_pretrained_with_explicit_model_class(tmp_path):
     loaded = hfab.from_pretrained(tmp_path, model_class=BertModel)
     with torch.no_grad():
         assert torch.equal(run(loaded), run(model))
+
+
+@pytest.mark.parametrize("family, backend, knobs", [
+    ("bert", "nystrom", dict(num_landmarks=4, conv_kernel_size=3)),
+    ("llama", "race", dict(num_planes=2, num_tables=3, per_head_beta=True)),
+    ("llama", "stieltjes", dict(per_head_temperature=True)),
+])
+def test_fp32_parameters_train_under_bf16_autocast(family, backend, knobs):
+    """Fine-tuning keeps fp32 master weights and computes in bf16: the added hfab_* parameters must follow."""
+    model = hfab.convert(FAMILIES[family](), backend, **knobs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(model)
+    assert torch.isfinite(out).all()
+    out.float().square().mean().backward()
+    added = [p for n, p in model.named_parameters() if n.split(".")[-1].startswith("hfab_")]
+    assert added and all(p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+                         for p in added)

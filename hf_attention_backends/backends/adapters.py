@@ -160,6 +160,8 @@ def run_backend(backend: str, config, module, query: Tensor, key: Tensor, value:
             raise ValueError(f"conv_kernel_size={config.conv_kernel_size} needs a learned depthwise conv "
                              f"(module.hfab_conv_weight) that {type(module).__name__} lacks; use convert() or "
                              "conv_kernel_size=0")
+        if conv_weight is not None:
+            conv_weight = conv_weight.to(query.dtype)  # fp32 master weight, low-precision compute (autocast)
         return nystrom_attention(query, key, value, num_landmarks=config.num_landmarks,
                                  newton_iter=config.newton_iter, kappa_star=config.kappa_star,
                                  conv_weight=conv_weight, scale=scaling, key_padding_mask=key_padding_mask)
