@@ -168,6 +168,19 @@ def run_backend(backend: str, config, module, query: Tensor, key: Tensor, value:
     raise ValueError(f"backend={backend!r} is not supported; supported: {', '.join(BACKENDS)}")
 
 
+def autocast_inputs(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v in the autocast dtype when autocast is on for their device (as torch SDPA gets them), else as given.
+
+    Under autocast, models hand attention mixed dtypes (Llama: fp32 q, k after RoPE's fp32 cos/sin, low-precision
+    v); our ops are custom ops that autocast does not see, so the cast happens here.
+    """
+    device_type = query.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device_type)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 def _make_attention(default_backend: str):
     name = implementation_name(default_backend)
 
@@ -189,13 +202,15 @@ def _make_attention(default_backend: str):
             attention_mask = race_cache.new_key_mask(state, attention_mask, key, what)
         key_padding_mask = key_padding_from_mask(attention_mask, query, key, what=what)
         check_not_packed(what, kwargs.get("position_ids"), key_padding_mask, query.shape[2])
-        if state is None:
-            out = run_backend(backend, config, module, query, key, value, key_padding_mask, causal, scaling)
-        else:
-            planes, beta = race_parameters(module, config, query)
-            out = race_cache.attend(state, query, key, value, planes=planes, beta=beta,
-                                    key_padding_mask=key_padding_mask, causal=causal,
-                                    sliding_window=kwargs.get("sliding_window"), what=what)
+        query, key, value = autocast_inputs(query, key, value)
+        with torch.autocast(query.device.type, enabled=False):  # the ops choose their own internal precision
+            if state is None:
+                out = run_backend(backend, config, module, query, key, value, key_padding_mask, causal, scaling)
+            else:
+                planes, beta = race_parameters(module, config, query)
+                out = race_cache.attend(state, query, key, value, planes=planes, beta=beta,
+                                        key_padding_mask=key_padding_mask, causal=causal,
+                                        sliding_window=kwargs.get("sliding_window"), what=what)
         return out.transpose(1, 2).contiguous(), None
 
     attention.__name__ = attention.__qualname__ = f"{name}_attention"

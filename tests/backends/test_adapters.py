@@ -277,6 +277,21 @@ def test_op_validation_reaches_the_caller():
         _call(module, torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 16))
 
 
+@pytest.mark.parametrize("backend", ["exact", "race", "stieltjes"])
+def test_autocast_mixed_dtypes_reach_the_op_in_the_autocast_dtype(backend):
+    """Llama under CUDA autocast hands attention fp32 q, k (RoPE) and a bf16 v; sdpa gets them cast by autocast."""
+    module = integrations.attention_layers(enabled("llama", backend))[0][1]
+    q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16).bfloat16()
+    fn = ATTENTION_FUNCTIONS[f"hfab_{backend}"]
+    with pytest.raises(ValueError, match="must share one dtype"):
+        fn(module, q, k, v, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = fn(module, q, k, v, None)
+    assert out.dtype == torch.bfloat16
+    expected, _ = fn(module, q.bfloat16(), k.bfloat16(), v, None)
+    assert torch.equal(out, expected)
+
+
 def test_causal_nystrom_refused_at_enable_and_call_time():
     with pytest.raises(NotImplementedError, match="name='nystrom' is not supported on the causal model_type='llama'"):
         hfab.enable_backend(tiny_model("llama"), "nystrom")
