@@ -307,3 +307,36 @@ def test_profile_lists_the_kernels_of_a_call():
     names = " ".join(name for name, _, _ in rows)
     assert "exact_attn_fwd_kernel" in names and "exact_dkv_bwd_kernel" in names, names
     assert all(ms > 0 and count >= 1 for _, ms, count in rows)
+
+
+@pytest.mark.parametrize("provider", ["sdpa", "race"])
+def test_decode_benchmark_steps_give_the_full_forward_greedy_tokens(provider):
+    """The static-buffer decode step of benchmarks.bench_decode (what the CUDA graph replays) against greedy
+    decoding by full forwards over the whole sequence."""
+    import hf_attention_backends as hfab
+    from benchmarks import bench_decode
+
+    model = bench_decode.tiny_llama("cpu", torch.float32)
+    got = []
+    res = bench_decode.run_provider(model, provider, batch=2, context=13, steps=5, graphs=False, tokens=got)
+    assert res["reps"] == 5 and res["tokens_per_s"] > 0
+    seq = torch.randint(0, model.config.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    if provider == "race":
+        hfab.enable_backend(model, "race")
+    expected = []
+    with torch.no_grad():
+        for _ in range(6):
+            nxt = model(input_ids=seq).logits[:, -1].argmax(-1)
+            expected.append(nxt)
+            seq = torch.cat([seq, nxt[:, None]], dim=1)
+    assert torch.equal(torch.stack(got), torch.stack(expected[1:]))
+
+
+def test_decode_benchmark_state_constant_in_context_for_race_only():
+    from benchmarks import bench_decode
+
+    model = bench_decode.tiny_llama("cpu", torch.float32)
+    state = {(p, n): bench_decode.run_provider(model, p, batch=1, context=n, steps=1, graphs=False)
+             ["state_bytes_per_seq"] for p in ("sdpa", "race") for n in (16, 64)}
+    assert state["race", 16] == state["race", 64] > 0
+    assert state["sdpa", 64] > state["sdpa", 16] > 0

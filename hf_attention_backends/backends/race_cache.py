@@ -50,7 +50,9 @@ Supported: greedy and sampling, beam search (``reorder_cache`` indexes the state
 filled cache for a continuation, CPU and CUDA. Refused with a clear error: non-causal layers, sliding-window
 RACE layers (a running sum cannot forget old keys), ``crop`` / rollback by a nonzero number of tokens
 (assisted and prompt-lookup decoding need it), offloading, ``torch.compile`` of the forward (the cache is
-not compileable, so generate never auto-compiles with it; static cache + CUDA graphs: not implemented).
+not compileable, so generate never auto-compiles with it). CUDA graphs: a decode step updates the state in
+place and needs no host synchronisation, so a step over static input buffers can be captured and replayed
+(``benchmarks/bench_decode.py`` does this; prefill runs eagerly first).
 """
 from __future__ import annotations
 
@@ -244,7 +246,9 @@ def attend(layer: RaceStateLayer, query: Tensor, key: Tensor, value: Tensor, *, 
     b, hq, nq, _ = query.shape
     assert key.shape[2] == nq, "a RaceStateLayer returns the new keys only"
     ct = compute_dtype(query.dtype)
-    beta_t = torch.as_tensor(beta, dtype=ct, device=query.device)
+    # a float becomes a tensor by a fill kernel, not a host-to-device copy (which a CUDA graph capture refuses)
+    beta_t = beta.to(query.device, ct) if isinstance(beta, Tensor) else torch.full((), float(beta), dtype=ct,
+                                                                                 device=query.device)
     heads = hq if beta_t.dim() == 1 else key.shape[1]  # Φ(k) per query head iff beta is per head
     planes_c = planes.to(ct)
     phk = race_features(repeat_kv(key, heads).to(ct), planes_c, beta_t)  # (B, Hs, Nq, S)
@@ -267,6 +271,6 @@ def attend(layer: RaceStateLayer, query: Tensor, key: Tensor, value: Tensor, *, 
         den = a.sum(dim=-1, keepdim=True) + torch.matmul(q_c, layer.den[:, :, None, :, None])
         ok = den > 0
         outs.append(torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num)))
-        layer.num = layer.num + torch.matmul(phk[:, :, sl].transpose(-1, -2), v[:, :, sl])
-        layer.den = layer.den + phk[:, :, sl].sum(dim=-2)
+        layer.num.add_(torch.matmul(phk[:, :, sl].transpose(-1, -2), v[:, :, sl]))  # in place: CUDA-graph replays
+        layer.den.add_(phk[:, :, sl].sum(dim=-2))  # keep updating the same buffers
     return torch.cat(outs, dim=3).flatten(1, 2).to(query.dtype)
