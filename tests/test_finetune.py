@@ -288,3 +288,29 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path
         for key in ("loss", "lr", "grad_norm", "ppl", "top1_agreement"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=0), (a["stage"], a["step"], key)
+
+
+def _write_log(path: Path, rows: list) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    lines = ["step,stage,loss,grad_norm,ppl"] + [",".join(str(x) for x in r) for r in rows]
+    (path / "log.csv").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_compare_runs_passes_within_rtol_and_fails_beyond_or_on_other_rows(tmp_path, capsys):
+    from finetune import compare
+
+    a = _write_log(tmp_path / "a", [(0, "teacher", "", "", 30.0), (2, "transfer", 1.0, 0.5, ""),
+                                    (4, "transfer", 0.8, 0.4, "")])
+    close = _write_log(tmp_path / "b", [(0, "teacher", "", "", 30.003), (2, "transfer", 1.001, 0.5, ""),
+                                        (4, "transfer", 0.8008, 0.4002, "")])
+    far = _write_log(tmp_path / "c", [(0, "teacher", "", "", 30.0), (2, "transfer", 1.05, 0.5, ""),
+                                      (4, "transfer", 0.8, 0.4, "")])
+    short = _write_log(tmp_path / "d", [(0, "teacher", "", "", 30.0), (2, "transfer", 1.0, 0.5, "")])
+    assert compare.main([str(a), str(close), "--rtol", "2e-3"]) == 0
+    assert "loss 1.000e-03" in capsys.readouterr().out
+    assert compare.main([str(a), str(far), "--rtol", "2e-3"]) == 1
+    assert "above --rtol" in capsys.readouterr().err
+    assert compare.main([str(a), str(short)]) == 1
+    assert "different rows" in capsys.readouterr().err
+    assert compare.main([str(a), str(tmp_path / "missing")]) == 2
