@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --device cuda: also run each backend on the CPU (the PyTorch reference ops) in "
                              "float32 and in --dtype, and gate the GPU output: mean|Δ| to the float32 reference <= "
                              "2x the reference's own --dtype error (exit 1 on failure)")
+    verify.add_argument("--decode-tokens", type=int, default=0, metavar="N",
+                        help="causal models: also generate N tokens greedily after each text's first half with the "
+                             "backend's decode cache (RaceCache for race) and compare them with one full forward "
+                             "(token agreement, max |Δlogit|); default 0 = skip")
     verify.add_argument("--json", metavar="PATH|-", help="also write the results as JSON to PATH (- = stdout only)")
     verify.add_argument("--report", metavar="DIR",
                         help="also run the model_tests checks (per-layer parity, behaviour, knob and length sweeps, "
@@ -292,6 +296,9 @@ def run_verify(args) -> int:
     device, dtype = resolve_device(args.device), DTYPES[args.dtype]
     if args.repeats < 1:
         raise CliError(f"--repeats {args.repeats} must be >= 1")
+    if args.decode_tokens < 0 or (args.decode_tokens and not spec.causal):
+        raise CliError(f"--decode-tokens {args.decode_tokens} needs a causal model and N >= 0 "
+                       f"(--model {args.model} is {'causal' if spec.causal else 'an encoder'})")
     if args.check_reference and device.type != "cuda":
         raise CliError(f"--check-reference compares the GPU kernels with the CPU reference; it needs --device "
                        f"cuda[:N], got --device {args.device!r}")
@@ -324,11 +331,14 @@ def run_verify(args) -> int:
             enable_backend(model, backend, **configs[backend])
             try:
                 out, seconds = timed(forward, args.repeats, device)
+                decode = _decode_check(model, batch, backend, args.decode_tokens) if args.decode_tokens else None
             finally:
                 disable_backend(model)
         except (ValueError, NotImplementedError) as err:
             raise CliError(f"--backend {backend}: {err}") from err
         results.append({"backend": backend, "config": configs[backend], "time_s": seconds, **metrics(out, ref)})
+        if decode is not None:
+            results[-1]["decode"] = decode
         outputs[backend] = out
 
     report = {
@@ -343,7 +353,7 @@ def run_verify(args) -> int:
     if args.check_reference:
         report["reference_check"] = _reference_check(args, ref, outputs, configs, dict(batch), metrics)
     _emit(report, _verify_table(report) + _gates_table(report.get("exact_gates"))
-          + _reference_table(report.get("reference_check")), args.json)
+          + _reference_table(report.get("reference_check")) + _decode_table(results), args.json)
     if args.report:
         _write_report(args, model, tokenizer, backends, configs, report)
     failed = False
@@ -355,6 +365,28 @@ def run_verify(args) -> int:
               file=sys.stderr)
         failed = True
     return int(failed)
+
+
+def _decode_check(model, batch, backend: str, new_tokens: int) -> dict:
+    """Greedy generate() of ``new_tokens`` after the first half of the shortest text (the same prefix length for
+    every row, no padding), with RaceCache for race and transformers' default cache otherwise, against one full
+    forward over the generated sequences: the fraction of generated tokens that are the full forward's argmax,
+    and the largest |Δlogit| between the decode steps and the full forward."""
+    from . import race_cache
+
+    ids = batch["input_ids"]
+    prefix = max(1, int(batch["attention_mask"].sum(-1).min()) // 2)
+    prompt = ids[:, :prefix]
+    with torch.inference_mode():
+        gen = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=model.config.eos_token_id,
+                             past_key_values=race_cache(model) if backend == "race" else None)
+        steps = torch.stack(gen.logits, dim=1).float()  # (B, new_tokens, V)
+        full = model(input_ids=gen.sequences, use_cache=False).logits[:, prefix - 1:-1].float()
+    agree = (full.argmax(-1) == gen.sequences[:, prefix:]).double().mean().item()
+    return {"prefix": prefix, "new_tokens": new_tokens, "cache": "RaceCache" if backend == "race" else "default",
+            "token_agreement": agree, "max_abs_logit_diff": (steps - full).abs().max().item()}
 
 
 def _reference_check(args, ref, outputs: dict, configs: dict, batch: dict, metrics) -> dict:
@@ -394,6 +426,18 @@ def _reference_check(args, ref, outputs: dict, configs: dict, batch: dict, metri
                                           "passed": got["mean_abs_diff"] <= limit}
     check["passed"] = all(entry["passed"] for entry in check["backends"].values())
     return check
+
+
+def _decode_table(results: list) -> str:
+    rows = [r for r in results if "decode" in r]
+    if not rows:
+        return ""
+    lines = ["", "greedy decode with the backend's cache vs one full forward over the generated tokens:"]
+    for r in rows:
+        d = r["decode"]
+        lines.append(f"  {r['backend']:<10} {d['new_tokens']} tokens after {d['prefix']} ({d['cache']} cache): "
+                     f"token agreement {d['token_agreement']:.2%}, max|Δlogit| {d['max_abs_logit_diff']:.3e}")
+    return "\n".join(lines)
 
 
 def _reference_table(check: Optional[dict]) -> str:

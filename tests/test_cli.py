@@ -136,6 +136,20 @@ def test_verify_smollm2_causal_backends(smollm2_cache, capsys):
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (9, 3, 64)
 
 
+@pytest.mark.slow
+def test_verify_decode_tokens_with_the_race_cache(smollm2_cache, capsys):
+    rc, out, err = _run(capsys, "verify", "--model", "smollm2", "--backend", "race,exact", "--seq-len", "24",
+                        "--num-texts", "2", "--decode-tokens", "3", "--json", "-")
+    assert rc == 0, err
+    rows = {r["backend"]: r["decode"] for r in json.loads(out)["results"]}
+    assert rows["race"]["cache"] == "RaceCache" and rows["exact"]["cache"] == "default"
+    for decode in rows.values():
+        assert decode["new_tokens"] == 3 and decode["prefix"] == 12
+        # float32 on the CPU: the decode path and the full forward differ by summation order only
+        assert decode["token_agreement"] == 1.0 and decode["max_abs_logit_diff"] < 1e-3
+    assert "greedy decode with the backend's cache" in err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "smollm2", "--backend", "nystrom"],
      "--backend 'nystrom' does not fit --model smollm2 .* supported for smollm2: stieltjes, race, exact"),
@@ -150,6 +164,7 @@ def test_verify_smollm2_causal_backends(smollm2_cache, capsys):
     (["--model", "smollm2", "--seq-len", "1"], "--seq-len 1 must be >= 2"),
     (["--repeats", "0"], "--repeats 0 must be >= 1"),
     (["--check-reference"], "--check-reference .* needs --device cuda.*got --device 'cpu'"),
+    (["--decode-tokens", "4"], "--decode-tokens 4 needs a causal model"),
 ])
 def test_verify_unsupported_choices_exit_2_with_a_message(capsys, argv, message):
     rc, out, err = _run(capsys, "verify", *argv)
