@@ -26,22 +26,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> race_bwd_cuda(
             at::zeros(v.sizes(), v.options().memory_format(contiguous)),
             at::zeros(beta.sizes(), beta.options().memory_format(contiguous))};
   }
-  const at::Tensor dout_r = unit_last_stride(dout);
-  at::Tensor dq = at::empty(q.sizes(), q.options().memory_format(contiguous));
+  Params p = in.p;
+  const bool tensor_cores = tc_backward_applies(q, p, q.device());
+  at::Tensor dout_r = unit_last_stride(dout);
+  if (tensor_cores) {  // the tensor-core kernels read q, k, v, dout with 16-byte vectors
+    make_vector_readable(in, p);
+    dout_r = vector_readable(dout_r);
+  }
+  // causal with Nq - Nk >= 64: the tensor-core dq kernel never visits the query tiles before the first key
+  const bool unvisited = tensor_cores && causal && p.kappa0 < 0;
+  const auto alloc = [&](at::IntArrayRef sizes, const at::TensorOptions& options) {
+    return unvisited ? at::zeros(sizes, options) : at::empty(sizes, options);
+  };
+  at::Tensor dq = alloc(q.sizes(), q.options().memory_format(contiguous));
   at::Tensor dk = at::empty(k.sizes(), k.options().memory_format(contiguous));
   at::Tensor dv = at::empty(v.sizes(), v.options().memory_format(contiguous));
   const int64_t batch = q.size(0);
-  Params p = in.p;
   p.dout = dout_r.data_ptr();
   p.sdo = strides_of(dout_r);
   p.out = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
-  at::Tensor den = at::empty({batch, p.hq, p.nq}, f32);
-  at::Tensor cq = at::empty({batch, p.hq, p.nq}, f32);
+  at::Tensor den = alloc({batch, p.hq, p.nq}, f32);
+  at::Tensor cq = alloc({batch, p.hq, p.nq}, f32);
   at::Tensor qstate = at::empty({batch, p.hq, p.nqt + 1, p.features, q.size(3)}, f32);
   at::Tensor qz = at::empty({batch, p.hq, p.nqt + 1, p.features}, f32);
-  at::Tensor part_q = at::empty({batch, p.hq, p.nqt}, f32);
+  at::Tensor part_q = alloc({batch, p.hq, p.nqt}, f32);
   at::Tensor part_k = at::empty({batch, p.hq, p.nkc}, f32);
   at::Tensor dbeta_h = at::empty({p.hq}, f32);
   at::Tensor dbeta_total = at::empty({}, f32);
@@ -52,10 +62,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> race_bwd_cuda(
   p.dbeta_q = part_q.data_ptr<float>();
   p.dbeta_k = part_k.data_ptr<float>();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  if (q.scalar_type() == at::kHalf) backward_kernels<__half>(kOp, p, batch, k.size(1), q.size(3), q.device(), stream);
+  const int64_t hkv = k.size(1), d = q.size(3);
+  if (q.scalar_type() == at::kHalf) backward_kernels<__half>(kOp, p, batch, hkv, d, tensor_cores, q.device(), stream);
   else if (q.scalar_type() == at::kBFloat16)
-    backward_kernels<__nv_bfloat16>(kOp, p, batch, k.size(1), q.size(3), q.device(), stream);
-  else backward_kernels<float>(kOp, p, batch, k.size(1), q.size(3), q.device(), stream);
+    backward_kernels<__nv_bfloat16>(kOp, p, batch, hkv, d, tensor_cores, q.device(), stream);
+  else backward_kernels<float>(kOp, p, batch, hkv, d, false, q.device(), stream);
   race_dbeta_bwd_kernel<<<1, kThreads, 0, stream>>>(p.dbeta_q, p.dbeta_k, static_cast<int>(batch), p.hq, p.nqt,
                                                      p.nkc, dbeta_h.data_ptr<float>(), dbeta_total.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -7,15 +7,27 @@ namespace hfab {
 namespace race {
 
 template <typename T>
-void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int64_t head_dim,
+void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int64_t head_dim, bool tensor_cores,
                       const c10::Device& device, cudaStream_t stream) {
   auto run = [&](auto dim) {
     constexpr int D = decltype(dim)::value;
     const auto f32 = at::TensorOptions().device(device).dtype(at::kFloat);
     const unsigned b = static_cast<unsigned>(batch), hq = static_cast<unsigned>(p.hq);
     at::Tensor kstate, kz;
-    key_states<T, D>(op, p, kstate, kz, f32, batch, device, stream);
-    launch(op, race_dq_bwd_kernel<T, D>, dim3(p.nqt, hq, b), Layout::dq(p.lp, D), p, device, stream);
+    bool dq_done = false;
+    if constexpr (!std::is_same_v<T, float>) {
+      if (tensor_cores) {  // group prefix states, then dq, den, c walking each group's chunks (or tiles)
+        tc_key_states<T, D>(op, p, kstate, kz, f32, batch, device, stream);
+        const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
+        launch_bytes(op, tc::race_group_dq_bwd_kernel<T, D>, dim3(blocks, hq, b), tc::kThreads,
+                     tc::BwdTiles<T, D>::bytes, p, device, stream);
+        dq_done = true;
+      }
+    }
+    if (!dq_done) {
+      key_states<T, D>(op, p, kstate, kz, f32, batch, device, stream);
+      launch(op, race_dq_bwd_kernel<T, D>, dim3(p.nqt, hq, b), Layout::dq(p.lp, D), p, device, stream);
+    }
     launch(op, race_state_fwd_kernel<T, D, true>, dim3(p.nqt, hq, b), Layout::state(p.lp), p, device, stream);
     const int elems = p.features * D + p.features;
     race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), hq, b), kThreads, 0, stream>>>(

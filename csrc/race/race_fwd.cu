@@ -23,15 +23,7 @@ at::Tensor race_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor kstate, kz;
-  if (tensor_cores) {
-    for (at::Tensor* t : {&in.q, &in.k, &in.v}) *t = vector_readable(*t);
-    p.q = in.q.data_ptr();
-    p.k = in.k.data_ptr();
-    p.v = in.v.data_ptr();
-    p.sq = strides_of(in.q);
-    p.sk = strides_of(in.k);
-    p.sv = strides_of(in.v);
-  }
+  if (tensor_cores) make_vector_readable(in, p);
   dispatch(q, [&](auto tag, auto dim) {
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(dim)::value;

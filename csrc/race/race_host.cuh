@@ -15,6 +15,7 @@
 
 #include "common/host.cuh"
 #include "race/race_kernels.cuh"
+#include "race/race_tc_bwd_kernels.cuh"
 #include "race/race_tc_kernels.cuh"
 
 namespace hfab {
@@ -27,6 +28,22 @@ struct Inputs {
 };
 
 inline Strides strides_of(const at::Tensor& t) { return Strides{t.stride(0), t.stride(1), t.stride(2)}; }
+
+// Point p at in.q, in.k, in.v (data and strides).
+inline void bind_qkv(const Inputs& in, Params& p) {
+  p.q = in.q.data_ptr();
+  p.k = in.k.data_ptr();
+  p.v = in.v.data_ptr();
+  p.sq = strides_of(in.q);
+  p.sk = strides_of(in.k);
+  p.sv = strides_of(in.v);
+}
+
+// The tensor-core kernels read q, k, v with 16-byte vectors: copy the inputs that cannot be, rebind p.
+inline void make_vector_readable(Inputs& in, Params& p) {
+  for (at::Tensor* t : {&in.q, &in.k, &in.v}) *t = vector_readable(*t);
+  bind_qkv(in, p);
+}
 
 // `t` with a contiguous head dim (other strides are read as they are).
 inline at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
@@ -81,12 +98,7 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
     p.kpm = reinterpret_cast<const unsigned char*>(in.mask.data_ptr());
     p.kpm_stride = in.mask.size(1);
   }
-  p.q = in.q.data_ptr();
-  p.k = in.k.data_ptr();
-  p.v = in.v.data_ptr();
-  p.sq = strides_of(in.q);
-  p.sk = strides_of(in.k);
-  p.sv = strides_of(in.v);
+  bind_qkv(in, p);
   p.planes = in.planes.data_ptr<float>();
   p.beta = in.beta.data_ptr<float>();
   p.hq = static_cast<int>(hq);
@@ -146,22 +158,32 @@ void launch(const char* op, Kernel kernel, dim3 grid, int floats, const Params& 
   launch_bytes(op, kernel, grid, kThreads, floats * static_cast<int>(sizeof(float)), p, device, stream);
 }
 
-// Whether the tensor-core forward (race_tc_kernels.cuh) takes these inputs: fp16/bf16, S <= 64, and
-// its shared memory fits this GPU. Other inputs take the CUDA-core kernels.
-inline bool tc_forward_applies(const at::Tensor& q, const Params& p, const c10::Device& device) {
+// Whether the tensor-core kernels take these inputs: fp16/bf16, S <= 64, and the block's shared memory
+// (`bytes_of(std::integral_constant<int, D>)`) fits this GPU. Other inputs take the CUDA-core kernels.
+template <typename BytesOf>
+bool tc_applies(const at::Tensor& q, const Params& p, const c10::Device& device, BytesOf bytes_of) {
   if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) return false;
   if (p.features > tc::kS || p.lp > tc::kLPMax) return false;
-  const int64_t d = q.size(3);
-  const int bytes = d == 32 ? tc::Tiles<__half, 32>::bytes : d == 64 ? tc::Tiles<__half, 64>::bytes
-                                                                     : tc::Tiles<__half, 128>::bytes;
-  return bytes <= shared_memory_limit(device);
+  return dispatch_head_dim(q.size(3), bytes_of) <= shared_memory_limit(device);
 }
 
-// Tensor-core forward: group states, their exclusive prefix (slot ngk: total), then out. q, k, v must be
-// 16-byte vector readable (hfab::vector_readable) and p point at them.
+// The tensor-core forward (race_tc_kernels.cuh).
+inline bool tc_forward_applies(const at::Tensor& q, const Params& p, const c10::Device& device) {
+  return tc_applies(q, p, device, [](auto dim) { return tc::Tiles<__half, decltype(dim)::value>::bytes; });
+}
+
+// The tensor-core dq kernel (race_tc_bwd_kernels.cuh): 90.6 / 108.1 / 155.1 KB of shared memory at
+// D = 32 / 64 / 128, within sm_80's and sm_90's limits; a GPU with less falls back to race_dq_bwd_kernel.
+inline bool tc_backward_applies(const at::Tensor& q, const Params& p, const c10::Device& device) {
+  return tc_applies(q, p, device, [](auto dim) { return tc::BwdTiles<__half, decltype(dim)::value>::bytes; });
+}
+
+// Group states of the tensor-core kernels: per group of tc::kGroup key chunks sum phi(k) [v, 1]^T, then
+// their exclusive prefix (slot ngk: total). Sets p.ngk, p.ngq and p.kstate, p.kz. q, k, v must be 16-byte
+// vector readable (hfab::vector_readable) and p point at them.
 template <typename T, int D>
-void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, const at::TensorOptions& f32,
-                int64_t batch, const c10::Device& device, cudaStream_t stream) {
+void tc_key_states(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, const at::TensorOptions& f32,
+                   int64_t batch, const c10::Device& device, cudaStream_t stream) {
   p.ngk = div_up(p.nkc, tc::kGroup);
   p.ngq = div_up(p.nqt, tc::kGroup);
   gstate = at::empty({batch, p.hq, p.ngk + 1, p.features, D}, f32);
@@ -169,15 +191,23 @@ void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, c
   p.kstate = gstate.data_ptr<float>();
   p.kz = gz.data_ptr<float>();
   const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
-  constexpr int bytes = tc::Tiles<T, D>::bytes;
   launch_bytes(op, tc::race_group_state_fwd_kernel<T, D>, dim3(p.ngk, h, b), tc::kThreads,
                tc::Tiles<T, D>::state_kernel_bytes, p, device, stream);
   const int elems = p.features * D + p.features;
   race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), h, b), kThreads, 0, stream>>>(
       p.kstate, p.kz, p.ngk, p.features * D, p.features, p.hq, 0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Tensor-core forward: group states, their exclusive prefix (slot ngk: total), then out.
+template <typename T, int D>
+void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, const at::TensorOptions& f32,
+                int64_t batch, const c10::Device& device, cudaStream_t stream) {
+  tc_key_states<T, D>(op, p, gstate, gz, f32, batch, device, stream);
+  const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
   const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
-  launch_bytes(op, tc::race_group_out_fwd_kernel<T, D>, dim3(blocks, h, b), tc::kThreads, bytes, p, device, stream);
+  launch_bytes(op, tc::race_group_out_fwd_kernel<T, D>, dim3(blocks, h, b), tc::kThreads, tc::Tiles<T, D>::bytes, p,
+               device, stream);
 }
 
 // Forward states: per key chunk phi(k)^T v and sum phi(k), then their exclusive prefix sums (slot nkc: total).
@@ -199,9 +229,10 @@ void key_states(const char* op, Params& p, at::Tensor& kstate, at::Tensor& kz, c
 
 // The backward's launches for element type T (race_bwd_launch.cuh), compiled in one .cu file per T
 // (race_bwd_{f16,bf16,f32}.cu) so that the heavy kernels build in parallel. `p` holds every buffer
-// but the key states, which this allocates.
+// but the key states, which this allocates. tensor_cores (fp16/bf16 only; tc_backward_applies): dq on
+// race_group_dq_bwd_kernel, with q, k, v, dout vector readable and p pointing at them.
 template <typename T>
-void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int64_t head_dim,
+void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int64_t head_dim, bool tensor_cores,
                       const c10::Device& device, cudaStream_t stream);
 
 }  // namespace race

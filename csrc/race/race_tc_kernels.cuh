@@ -110,9 +110,11 @@ __device__ __forceinline__ void load_vt(const T* v, long long stride, int row0, 
   }
 }
 
-// sigma(+-2 beta u) for u = tanh(W x) of the 64 rows in `tile` (warp w: rows 16w..16w+15), on tensor cores.
+// sigma(+-2 beta u) for u = tanh(W x) of the 64 rows in `tile` (warp w: rows 16w..16w+15), on tensor cores;
+// u itself into u[row * L*P + lt] when u is not null (the backward's chain rule).
 template <typename T, int D>
-__device__ __forceinline__ void project(const Params& p, const T* tile, const T* w, float beta, float* sp, float* sm) {
+__device__ __forceinline__ void project(const Params& p, const T* tile, const T* w, float beta, float* sp, float* sm,
+                                        float* u = nullptr) {
   constexpr int kX = D + 8;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
   float acc[3][4] = {};
@@ -143,6 +145,7 @@ __device__ __forceinline__ void project(const Params& p, const T* tile, const T*
       const float ut = tanhf(acc[nt][e]);
       sp[row * kLPMax + lt] = sigmoid(2.f * beta * ut);
       sm[row * kLPMax + lt] = sigmoid(-2.f * beta * ut);
+      if (u != nullptr) u[row * p.lp + lt] = ut;
     }
 }
 
@@ -254,14 +257,13 @@ __global__ void __launch_bounds__(kThreads) race_group_state_fwd_kernel(const Pa
   }
 }
 
-// out rows [row0, row0 + 64) of one query tile: phi(q) [A, z] from the state tile (tf32), plus, when
-// `intra`, the masked chunk product (phi(q) phi(k)^T masked to j <= i) [v, 1]; out = num / den.
+// [num, den] of one query tile (acc in the C layout; den in column D): phi(q) [A, z] from the state tile
+// (tf32), plus, when `intra`, the masked chunk product (phi(q) phi(k)^T masked to j <= i) [v, 1].
 template <typename T, int D>
-__device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, bool intra, int row0, T* out) {
+__device__ __forceinline__ void tile_num(const Tiles<T, D>& s, bool intra, float (&acc)[D / 8 + 1][4]) {
   constexpr int kX = D + 8;
   constexpr int kN = D / 8 + 1;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
-  float acc[kN][4] = {};
 #pragma unroll
   for (int kk = 0; kk < kS / 8; ++kk) {  // fp16 features are exact in tf32
     const __half* base = s.phq + (r0 + g) * kT + kk * 8 + t;
@@ -315,6 +317,15 @@ __device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, 
       }
     }
   }
+}
+
+// out rows [row0, row0 + 64) of one query tile: out = num / den (tile_num).
+template <typename T, int D>
+__device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, bool intra, int row0, T* out) {
+  constexpr int kN = D / 8 + 1;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+  float acc[kN][4] = {};
+  tile_num<T, D>(s, intra, acc);
   const int quad = lane & ~3;  // den = column D, held by the quad's t = 0 lane
   const float den0 = __shfl_sync(0xffffffffu, acc[kN - 1][0], quad);
   const float den1 = __shfl_sync(0xffffffffu, acc[kN - 1][2], quad);
@@ -331,25 +342,63 @@ __device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, 
   }
 }
 
-// Query tile m: flags, x, phi(q) (fp16) into phq. Ends with a barrier.
+// Query tile m: flags, x, phi(q) (fp16) into phq. Backward (dout not null): also the tile's rows of dout
+// into dtile ([64][D + 8]) and u into `u`. Ends with a barrier.
 template <typename T, int D>
-__device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, D>& s) {
+__device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, D>& s, const T* dout = nullptr,
+                           T* dtile = nullptr, float* u = nullptr) {
   __syncthreads();
   if (threadIdx.x < kC) s.okq[threadIdx.x] = m * kC + threadIdx.x < p.nq;
   __syncthreads();
   load_rows<T, D>(hd.q, p.sq.n, m * kC, s.okq, s.x);
+  if (dout != nullptr) load_rows<T, D>(dout, p.sdo.n, m * kC, s.okq, dtile);
   __syncthreads();
-  project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm);
+  project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm, u);
   __syncthreads();
   features<T>(p, s.okq, s.sp, s.sm, s.phq, nullptr);
   __syncthreads();
+}
+
+// State slot `slot` of (b, h) into s.st: [feature][d] fp32, z in column D, zeros elsewhere.
+template <typename T, int D>
+__device__ void load_state(const Params& p, long long bh, int slot, Tiles<T, D>& s) {
+  constexpr int kX = D + 8;
+  const float* A = p.kstate + (bh * (p.ngk + 1) + slot) * p.features * D;
+  const float* z = p.kz + (bh * (p.ngk + 1) + slot) * p.features;
+  for (int e = threadIdx.x; e < kS * kX; e += kThreads) {
+    const int f = e / kX, d = e % kX;
+    float val = 0.f;
+    if (f < p.features) val = d < D ? A[(long long)f * D + d] : (d == D ? z[f] : 0.f);
+    s.st[e] = val;
+  }
+}
+
+// s.st += phi(k)^T [v, 1] of the chunk in pkt / vt (the caller has a barrier after the last reader of st).
+template <typename T, int D>
+__device__ __forceinline__ void advance_state(Tiles<T, D>& s) {
+  constexpr int kX = D + 8;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
+#pragma unroll 1
+  for (int n0 = 0; n0 < D / 8 + 1; n0 += 4) {  // 4 n-tiles at a time: fewer live registers
+    float delta[4][4] = {};
+    state_delta<T, 4>(s.pkt, s.vt, n0, D / 8 + 1, delta);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float* row = s.st + (f0 + g + 8 * half) * kX + 2 * t;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        if (n0 + n >= D / 8 + 1) continue;
+        row[(n0 + n) * 8] += delta[n][2 * half];
+        row[(n0 + n) * 8 + 1] += delta[n][2 * half + 1];
+      }
+    }
+  }
 }
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) race_group_out_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
   Tiles<T, D> s(smem_raw);
-  constexpr int kX = D + 8;
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
   T* out = static_cast<T*>(p.out) + hd.bh * p.nq * D;
@@ -357,17 +406,7 @@ __global__ void __launch_bounds__(kThreads) race_group_out_fwd_kernel(const Para
   const int end = min(p.causal ? p.nkc : p.nqt, first + kGroup);
   if (p.causal && end - 1 < p.kappa0) return;  // only keys before the first query: no tile to write
   init_constants<T, D>(p, s);
-  {  // the state before this group (causal) or the total (non-causal)
-    const int slot = p.causal ? grp : p.ngk;
-    const float* A = p.kstate + (hd.bh * (p.ngk + 1) + slot) * p.features * D;
-    const float* z = p.kz + (hd.bh * (p.ngk + 1) + slot) * p.features;
-    for (int e = threadIdx.x; e < kS * kX; e += kThreads) {
-      const int f = e / kX, d = e % kX;
-      float val = 0.f;
-      if (f < p.features) val = d < D ? A[(long long)f * D + d] : (d == D ? z[f] : 0.f);
-      s.st[e] = val;
-    }
-  }
+  load_state<T, D>(p, hd.bh, p.causal ? grp : p.ngk, s);  // before this group (causal) or the total
   if (!p.causal) {
     for (int m = first; m < end; ++m) {
       query_tile<T, D>(p, hd, m, s);
@@ -375,7 +414,6 @@ __global__ void __launch_bounds__(kThreads) race_group_out_fwd_kernel(const Para
     }
     return;
   }
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
   for (int kappa = first; kappa < end; ++kappa) {
     const int m = kappa - p.kappa0;  // the query tile whose diagonal is in this chunk
     if (m >= 0) query_tile<T, D>(p, hd, m, s);
@@ -383,21 +421,7 @@ __global__ void __launch_bounds__(kThreads) race_group_out_fwd_kernel(const Para
     if (m >= 0) tile_out<T, D>(p, s, true, m * kC, out);
     if (kappa + 1 == end) break;
     __syncthreads();  // every warp has read the state
-#pragma unroll 1
-    for (int n0 = 0; n0 < D / 8 + 1; n0 += 4) {  // 4 n-tiles at a time: fewer live registers
-      float delta[4][4] = {};
-      state_delta<T, 4>(s.pkt, s.vt, n0, D / 8 + 1, delta);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float* row = s.st + (f0 + g + 8 * half) * kX + 2 * t;
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          if (n0 + n >= D / 8 + 1) continue;
-          row[(n0 + n) * 8] += delta[n][2 * half];
-          row[(n0 + n) * 8 + 1] += delta[n][2 * half + 1];
-        }
-      }
-    }
+    advance_state<T, D>(s);
   }
 }
 

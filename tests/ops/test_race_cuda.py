@@ -215,6 +215,39 @@ def test_float32(n):
 
 
 
+@pytest.mark.parametrize("n", [1, 63, 65, 1100, 4097])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tensor_core_backward_gqa_padding(n, dtype):
+    """fp16/bf16 with S <= 64 take the tensor-core dq kernel (1 to 5 groups of 16 key chunks here), GQA,
+    left padding with one row fully padded, causal and not."""
+    b, hq, hkv = (2, 2, 1) if n > 1000 else (2, 4, 2)
+    q, k, v = make_inputs(b, hq, hkv, n, n, 64, dtype=dtype)
+    mask = make_padding(b, n, left=True, seed=n).to(DEV)
+    mask[1] = False
+    for causal in (False, True):
+        _, (dq, _, _, _) = check_against_oracle(q, k, v, make_planes(4, 4, 64), per_head_beta(hq, 64), causal=causal,
+                                                mask=mask)
+        assert torch.equal(dq[1], torch.zeros_like(dq[1]))
+
+
+@pytest.mark.parametrize("num_planes, num_tables, d", [(1, 1, 64), (2, 3, 32), (3, 8, 128), (5, 2, 32), (6, 1, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tensor_core_backward_feature_maps(num_planes, num_tables, d, dtype):
+    """Every S <= 64 shape class of the tensor-core kernels (S = 2 .. 64, L * P = 1 .. 24), two key-chunk groups."""
+    q, k, v = make_inputs(1, 2, 1, 1100, 1100, d, dtype=dtype, scale=2.0)
+    planes = make_planes(num_tables, num_planes, d, seed=num_planes)
+    for causal in (False, True):
+        check_against_oracle(q, k, v, planes, per_head_beta(2, d), causal=causal)
+
+
+@pytest.mark.parametrize("nq, nk", [(1100, 4097), (333, 1100), (1100, 333), (200, 65)])
+def test_tensor_core_backward_unequal_lengths(nq, nk):
+    """Nq != Nk: key chunks before the first query tile, and (Nq > Nk) query tiles that no group visits."""
+    q, k, v = make_inputs(1, 2, 1, nq, nk, 64, dtype=torch.bfloat16)
+    for causal in (False, True):
+        check_against_oracle(q, k, v, make_planes(4, 4, 64), per_head_beta(2, 64), causal=causal)
+
+
 def long_sequence_run(dtype, causal):
     """N = 65,536 (many key-chunk groups of the tensor-core forward), B=1, Hq=2, Hkv=1, D=64: the kernel's out
     and gradients, the reference in float64 (the dense oracle would need N x N) and the reference in fp32."""
@@ -237,9 +270,10 @@ def test_long_sequence_forward(dtype, causal):
     assert_close_to_oracle(out, out64, baseline=out_ref, name="out")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_long_sequence_gradients(causal):
-    _, grads = long_sequence_run(torch.float16, causal)
+def test_long_sequence_gradients(dtype, causal):
+    _, grads = long_sequence_run(dtype, causal)
     for name, got, want, base in grads:
         floor = FP32_SUM_FLOOR * (1.0 + float(want.abs().max())) if name == "dbeta" else GRAD_FLOOR
         assert_close_to_oracle(got, want, baseline=base, floor=floor, name=name)
