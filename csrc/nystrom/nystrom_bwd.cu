@@ -1,12 +1,16 @@
 // CUDA impl of hfab::nystrom_bwd (schema in hf_attention_backends/ops/nystrom/op.py): the exact gradient of
-// nystrom_fwd through every Newton–Schulz iterate. Landmarks, real-token positions, K2, the NS iterates and
-// W = Z W0 come from the forward's kernels (nystrom_inverse_fwd_kernel saves the iterates); the NS VJP and
-// the N-sized products are ATen fp32 on the current stream (K1 (B, Hq, N, slots) and K3
-// (B, Hq, m, N) are materialised: O(N m) extra memory). NOTES.md: the fused kernels that replace them.
+// nystrom_fwd through every Newton–Schulz iterate. Landmarks, real-token positions, W0 = K3 v (with K3's
+// log-sum-exp), K2, the NS iterates and W = Z W0 come from the forward's kernels; the N-sized products are
+// the fused kernels of nystrom_bwd_kernels.cuh (K1 and K3 recomputed from their row statistics, no N x m
+// matrix, no fp32 copy of the inputs); the Newton–Schulz VJP is one kernel per (b, head) over the saved
+// iterates; the rest of the m x m VJP (K2's softmax, the normalisation, small reductions) is ATen fp32 on the
+// current stream. NOTES.md "Backward".
 #include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/stack.h>
 #include <torch/library.h>
 
+#include "nystrom/nystrom_bwd_kernels.cuh"
 #include "nystrom/nystrom_host.cuh"
 
 namespace hfab {
@@ -20,78 +24,150 @@ at::Tensor softmax_vjp(const at::Tensor& p, const at::Tensor& dp) { return p.mul
 
 at::Tensor tr(const at::Tensor& x) { return x.transpose(-1, -2); }
 
-// fp32 copies of the inputs and the real-token mask (B, N).
-struct F32 {
-  at::Tensor qs, ks, vf, real;  // q √scale (B, Hq, N, D), k √scale and v (B, Hkv, N, D)
-};
+dim3 grid_of(int64_t x, int64_t y, int64_t z) {
+  return dim3(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(z));
+}
 
-// p3 = K3 (B, Hq, m, N) for landmark sequences, else undefined.
-Grads backward(Inputs& in, State& st, const at::Tensor& dout, const F32& f, const at::Tensor& p3) {
-  const int64_t B = in.batch, N = in.n, D = in.d, S = st.slots;
-  const auto i64 = in.q.options().dtype(at::kLong);
-  const at::Tensor &qs = f.qs, &ks = f.ks, &vf = f.vf, &real = f.real;
-  const at::Tensor dof = dout.to(at::kFloat).contiguous();
-  const at::Tensor rank = in.mask.defined() ? st.cumsum.to(at::kLong).sub(1)
-                                            : at::arange(N, i64).unsqueeze(0).expand({B, N});
-  const at::Tensor n_real = in.mask.defined() ? st.n_real.to(at::kLong) : at::full({B}, N, i64);
+// kernel<<<grid, 256, sizeof(Smem)>>>(bp) with its dynamic shared memory opted in (> 48 KB at D 128).
+template <typename Smem>
+void launch_with_smem(void (*kernel)(BwdParams), dim3 grid, const BwdParams& bp, cudaStream_t stream) {
+  constexpr int bytes = static_cast<int>(sizeof(Smem));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  kernel<<<grid, kThreads, bytes, stream>>>(bp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
-  // out = P1 vals, P1 = softmax(q_s keysᵀ) over the nvalid first slots
-  const at::Tensor valid = at::arange(S, i64).unsqueeze(0).lt(st.nvalid.to(at::kLong).unsqueeze(1));  // (B, S)
-  const at::Tensor p1 = masked_softmax(qs.matmul(tr(st.keys)), valid.view({B, 1, 1, S}));  // (B, Hq, N, S)
-  const at::Tensor dvals = tr(p1).matmul(dof);
-  const at::Tensor ds1 = softmax_vjp(p1, dof.matmul(tr(st.vals)));
-  at::Tensor dqs = ds1.matmul(st.keys);
-  const at::Tensor dkeys = tr(ds1).matmul(qs);  // (B, Hq, S, D)
+// Gradient of amax over the last dim (torch's rule: shared evenly among ties); g has one dim less than x.
+at::Tensor amax_vjp(const at::Tensor& x, const at::Tensor& g) {
+  const at::Tensor tie = x.eq(x.amax(-1, true)).to(x.scalar_type());
+  return tie.mul(g.unsqueeze(-1).div(tie.sum(-1, true)));
+}
 
-  // exact sequences: slot r holds the r-th real token
-  const at::Tensor ex = st.exact.view({B, 1, 1, 1});
-  const at::Tensor sel = real.logical_and(st.exact.view({B, 1})).logical_and(rank.lt(S)).view({B, 1, N, 1});
-  const at::Tensor slot_of = rank.clamp(0, S - 1).view({B, 1, N, 1}).expand({B, in.hkv, N, D});
-  at::Tensor dks = ungroup(in, dkeys.masked_fill(ex.logical_not(), 0.0)).gather(2, slot_of).masked_fill(
-      sel.logical_not(), 0.0);
-  at::Tensor dv = ungroup(in, dvals.masked_fill(ex.logical_not(), 0.0)).gather(2, slot_of).masked_fill(
-      sel.logical_not(), 0.0);
+// dA of NS(A) given dZ_iters: the steps by nystrom_ns_bwd_kernel, then the ‖A‖₁‖A‖∞ normalisation of Z₀
+// = Aᵀ / s (amax ties shared evenly, as torch does).
+at::Tensor ns_backward(const NsSaved& saved, at::Tensor gz, cudaStream_t stream) {
+  const at::Tensor& a = saved.a;
+  const int64_t m = a.size(-1), bh = a.numel() / (m * m), iters = saved.zs_all.size(2) - 1;
+  at::Tensor da = at::zeros_like(a);
+  if (iters > 0) {
+    const int64_t tm = m <= 32 ? 2 : m <= 64 ? 4 : 8, mp = 16 * tm;
+    const at::Tensor gz_in = gz.contiguous();
+    const at::Tensor scratch = at::empty({bh, kNsBuffers, mp, mp}, a.options());
+    gz = at::empty_like(gz_in);
+    NsBwdParams np{};
+    np.a = a.data_ptr<float>();
+    np.zs = saved.zs_all.data_ptr<float>();
+    np.gz = gz_in.data_ptr<float>();
+    np.da = da.data_ptr<float>();
+    np.gz0 = gz.data_ptr<float>();
+    np.scratch = scratch.data_ptr<float>();
+    np.m = static_cast<int>(m);
+    np.iters = static_cast<int>(iters);
+    const unsigned grid = static_cast<unsigned>(bh);
+    if (tm == 2) nystrom_ns_bwd_kernel<2><<<grid, kThreads, 0, stream>>>(np);
+    else if (tm == 4) nystrom_ns_bwd_kernel<4><<<grid, kThreads, 0, stream>>>(np);
+    else nystrom_ns_bwd_kernel<8><<<grid, kThreads, 0, stream>>>(np);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  da = da.add(gz.transpose(-1, -2).div(saved.s));
+  const at::Tensor ds = gz.mul(saved.zs[0]).sum({-1, -2}).neg().div(saved.s.squeeze(-1).squeeze(-1));
+  const at::Tensor col_sums = a.abs().sum(-2), row_sums = a.abs().sum(-1);
+  const at::Tensor col = col_sums.amax(-1), row = row_sums.amax(-1);  // s = col · row
+  const at::Tensor dcol = amax_vjp(col_sums, ds.mul(row));  // (..., m) per column
+  const at::Tensor drow = amax_vjp(row_sums, ds.mul(col));  // (..., m) per row
+  return da.add(a.sign().mul(dcol.unsqueeze(-2).add(drow.unsqueeze(-1))));
+}
 
+at::Tensor k2_inverse_backward(const NsSaved& saved, const at::Tensor& gz, cudaStream_t stream) {
+  if (!saved.k2_input.defined()) return ns_backward(saved, gz, stream);
+  const at::Tensor& k2 = saved.k2_input;
+  const at::Tensor da = ns_backward(saved, gz.matmul(k2), stream);  // Z = N K2ᵀ: dN = dZ K2
+  return gz.transpose(-1, -2).matmul(saved.zs.back()).add(k2.matmul(da.add(da.transpose(-1, -2))));
+}
+
+// dconv[h, t] = Σ_{b, i, d} dO[b, h, i, d] · v_masked[b, h / groups, i + t - c, d] (fp32, then conv's dtype).
+at::Tensor conv_weight_grad(const Inputs& in, const at::Tensor& dout) {
+  const int64_t B = in.batch, N = in.n, ks = in.conv.size(1), c = ks / 2;
+  const at::Tensor dof = dout.to(at::kFloat);
+  at::Tensor vf = group(in, in.v.to(at::kFloat));
+  if (in.mask.defined()) vf = vf.masked_fill(in.mask.logical_not().view({B, 1, N, 1}), 0.0);
+  const at::Tensor vp = at::constant_pad_nd(vf, {0, 0, c, c});
+  std::vector<at::Tensor> cols;
+  for (int64_t tap = 0; tap < ks; ++tap) cols.push_back(dof.mul(vp.slice(2, tap, tap + N)).sum({0, 2, 3}));
+  return at::stack(cols, 1).to(in.conv_dtype).contiguous();
+}
+
+// lse3: K3's base-2 log-sum-exp (B, Hq, m) for landmark sequences (st.nystrom), else undefined.
+template <typename T, int D>
+Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tensor& lse3, cudaStream_t stream) {
+  const int64_t B = in.batch, Hq = in.hq, N = in.n, S = st.slots, m = in.m, bh = B * Hq;
+  const auto f32 = in.q.options().dtype(at::kFloat);
+  const auto contiguous = at::MemoryFormat::Contiguous;
+  const at::Tensor dout = vector_readable(dout_in.contiguous());
+  const at::Tensor exact = st.exact.contiguous();
+  at::Tensor dq = at::empty(in.q.sizes(), in.q.options().memory_format(contiguous));
+  at::Tensor dk = at::empty(in.k.sizes(), in.k.options().memory_format(contiguous));
+  at::Tensor dv = at::empty(in.v.sizes(), in.v.options().memory_format(contiguous));
+  const at::Tensor lse1 = at::empty({bh, N}, f32), delta1 = at::empty({bh, N}, f32);
+  BwdParams bp{};
+  bp.p = in.p;
+  bp.dout = dout.data_ptr();
+  bp.cumsum = in.mask.defined() ? st.cumsum.data_ptr<int>() : nullptr;
+  bp.exact = reinterpret_cast<const unsigned char*>(exact.data_ptr<bool>());
+  bp.landmarks = st.nystrom;
+  bp.lse1 = lse1.data_ptr<float>();
+  bp.delta1 = delta1.data_ptr<float>();
+  bp.dq = dq.data_ptr();
+  bp.dk = dk.data_ptr();
+  bp.dv = dv.data_ptr();
+
+  // row statistics of K1, then the buffer gradients d keys = dS1ᵀ q_s, d vals = K1ᵀ dO (B, Hq, S, D)
+  nystrom_stats_bwd_kernel<T, D><<<grid_of(div_up(N, OutTiles<D>::BQ), Hq, B), kThreads, 0, stream>>>(bp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t stiles = div_up(S, K1Tiles<D>::BL);
+  const auto [a_splits, a_chunk] = split_plan(N, K1Tiles<D>::BQ, stiles * bh);
+  const at::Tensor part_dkeys = at::empty({a_splits, B, Hq, S, in.d}, f32);
+  const at::Tensor part_dvals = at::empty({a_splits, B, Hq, S, in.d}, f32);
+  bp.a_chunk = static_cast<int>(a_chunk);
+  bp.part_dkeys = part_dkeys.data_ptr<float>();
+  bp.part_dvals = part_dvals.data_ptr<float>();
+  launch_with_smem<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>, grid_of(a_splits, stiles, bh), bp, stream);
+  const at::Tensor dkeys = part_dkeys.sum(0), dvals = part_dvals.sum(0);  // fixed order: deterministic
+  const at::Tensor dkeys_kv = ungroup(in, dkeys).contiguous(), dvals_kv = ungroup(in, dvals).contiguous();
+  bp.dkeys_kv = dkeys_kv.data_ptr<float>();
+  bp.dvals_kv = dvals_kv.data_ptr<float>();
+
+  at::Tensor dw0, rowdot, dkl, dql, part_dql;
   if (st.nystrom) {  // landmark sequences: keys = K̃, vals = W = Z W0, W0 = K3 v
-    const at::Tensor dklg0 = dkeys.masked_fill(ex, 0.0);
+    const at::Tensor ex = st.exact.view({B, 1, 1, 1});
     const at::Tensor dw = dvals.masked_fill(ex, 0.0);
-    const at::Tensor ksg = group(in, ks), vg = group(in, vf);
     const at::Tensor dz = dw.matmul(tr(st.w0));
-    const at::Tensor dw0 = tr(st.z).matmul(dw);
-    dv = dv.add(ungroup(in, tr(p3).matmul(dw0)));
-    const at::Tensor ds3 = softmax_vjp(p3, dw0.matmul(tr(vg)));
-    at::Tensor dql = ds3.matmul(ksg);
-    dks = dks.add(ungroup(in, tr(ds3).matmul(st.q_land)));
-    const at::Tensor ds2 = softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz));
-    dql = dql.add(ds2.matmul(st.k_land_g));
-    const at::Tensor dkl = ungroup(in, dklg0.add(tr(ds2).matmul(st.q_land)));  // (B, Hkv, m, D)
-    // segment means: real token i of a landmark sequence gets dL[l(i)] / |segment l(i)|
-    const at::Tensor seg = n_real.div(in.m, "floor").clamp_min(1).unsqueeze(1);
-    const at::Tensor lt = rank.div(seg, "floor").clamp(0, in.m - 1);  // (B, N)
-    const at::Tensor spread = st.counts.clamp_min(1.0).reciprocal().gather(1, lt)
-                                  .masked_fill(real.logical_and(st.exact.logical_not().view({B, 1})).logical_not(), 0.0)
-                                  .view({B, 1, N, 1});
-    dqs = dqs.add(dql.gather(2, lt.view({B, 1, N, 1}).expand({B, in.hq, N, D})).mul(spread));
-    dks = dks.add(dkl.gather(2, lt.view({B, 1, N, 1}).expand({B, in.hkv, N, D})).mul(spread));
+    dw0 = tr(st.z).matmul(dw).contiguous();
+    rowdot = dw0.mul(st.w0).sum(-1).contiguous();  // Σ_j K3[l, j] (dW0 vᵀ)[l, j] = dW0[l] · W0[l]
+    const at::Tensor ds2 = softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz, stream));
+    dkl = ungroup(in, dkeys.masked_fill(ex, 0.0).add(tr(ds2).matmul(st.q_land))).contiguous();
+    constexpr int BL = K3BwdTiles<D>::BL;
+    const int64_t ltiles = div_up(m, BL);
+    const auto [b_splits, b_chunk] = split_plan(N, K3BwdTiles<D>::BK, ltiles * bh);
+    part_dql = at::empty({b_splits, B, Hq, m, in.d}, f32);
+    bp.dw0 = dw0.data_ptr<float>();
+    bp.lse3 = lse3.data_ptr<float>();
+    bp.rowdot = rowdot.data_ptr<float>();
+    bp.b_chunk = static_cast<int>(b_chunk);
+    bp.part_dql = part_dql.data_ptr<float>();
+    launch_with_smem<typename K3BwdTiles<D>::Smem>(nystrom_k3_bwd_kernel<T, D>, grid_of(b_splits, ltiles, bh), bp,
+                                                   stream);
+    dql = part_dql.sum(0).add(ds2.matmul(st.k_land_g)).contiguous();
+    bp.dkl = dkl.data_ptr<float>();
+    bp.dql = dql.data_ptr<float>();
   }
 
-  at::Tensor dconv = at::empty({0}, in.q.options());
-  if (in.conv.defined()) {  // out[i] += Σ_t w[h, t] v_masked[i + t - c]
-    const int64_t ks_ = in.conv.size(1), c = ks_ / 2;
-    const at::Tensor realv = real.view({B, 1, N, 1});
-    const at::Tensor vp = at::constant_pad_nd(group(in, vf).masked_fill(realv.logical_not(), 0.0), {0, 0, c, c});
-    const at::Tensor dop = at::constant_pad_nd(dof, {0, 0, c, c});
-    std::vector<at::Tensor> cols;
-    at::Tensor dvm = at::zeros_like(dof);
-    for (int64_t tap = 0; tap < ks_; ++tap) {
-      cols.push_back(dof.mul(vp.slice(2, tap, tap + N)).sum({0, 2, 3}));
-      dvm = dvm.add(in.conv.select(1, tap).view({1, in.hq, 1, 1}).mul(dop.slice(2, 2 * c - tap, 2 * c - tap + N)));
-    }
-    dconv = at::stack(cols, 1).to(in.conv_dtype).contiguous();
-    dv = dv.add(ungroup(in, dvm).masked_fill(realv.logical_not(), 0.0));
-  }
-  return {dqs.mul(in.root).to(in.q.scalar_type()).contiguous(), dks.mul(in.root).to(in.k.scalar_type()).contiguous(),
-          dv.to(in.v.scalar_type()).contiguous(), dconv};
+  launch_with_smem<typename KvTiles<D>::Smem>(nystrom_kv_bwd_kernel<T, D>,
+                                              grid_of(div_up(N, KvTiles<D>::BK), in.hkv, B), bp, stream);
+  launch_with_smem<typename DqTiles<D>::Smem>(nystrom_dq_bwd_kernel<T, D>,
+                                              grid_of(div_up(N, DqTiles<D>::BQ), Hq, B), bp, stream);
+  at::Tensor dconv = in.conv.defined() ? conv_weight_grad(in, dout) : at::empty({0}, in.q.options());
+  return {dq, dk, dv, dconv};
 }
 
 Grads nystrom_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -118,18 +194,10 @@ Grads nystrom_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Te
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(dim)::value;
     State st = landmark_state<T, D>(in, stream);
-    F32 f;
-    f.qs = in.q.to(at::kFloat).mul(in.root).contiguous();  // one layout: strided views give the same bits
-    f.ks = in.k.to(at::kFloat).mul(in.root).contiguous();
-    f.vf = in.v.to(at::kFloat).contiguous();
-    f.real = in.mask.defined() ? in.mask : at::full({in.batch, in.n}, true, q.options().dtype(at::kBool));
-    at::Tensor p3, w0;
-    if (st.nystrom) {  // K3 materialised in fp32 (the backward needs it), W0 = K3 v
-      p3 = masked_softmax(st.q_land.matmul(tr(group(in, f.ks))), f.real.view({in.batch, 1, 1, in.n}));
-      w0 = p3.matmul(group(in, f.vf));
-    }
+    at::Tensor lse3;
+    const at::Tensor w0 = st.nystrom ? k3_values<T, D>(in, stream, &lse3) : at::Tensor();
     finish_state<D>(in, st, w0, true, stream);
-    grads = backward(in, st, dout, f, p3);
+    grads = backward<T, D>(in, st, dout, lse3, stream);
   });
   return grads;
 }

@@ -1,13 +1,12 @@
 // Host side of the Nyström kernels shared by nystrom_fwd.cu and nystrom_bwd.cu: validation at the op
 // boundary (clear errors naming the argument, its value and what is supported), the per-sequence state
 // (real-token positions, landmarks, K2, Newton–Schulz by one kernel, the key/value buffers of the output
-// kernel) and the backward's m x m VJP in ATen fp32 on the current stream.
+// kernel).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/eye.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
@@ -17,6 +16,7 @@
 #include <cmath>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/host.cuh"
@@ -151,59 +151,10 @@ inline at::Tensor masked_softmax(const at::Tensor& s, const at::Tensor& valid) {
 // What the VJP of the Newton–Schulz stage (reference.k2_inverse) needs, from nystrom_inverse_fwd_kernel.
 struct NsSaved {
   at::Tensor a, s;              // the inverted matrices (..., m, m); ‖a‖₁‖a‖∞ (..., 1, 1)
-  std::vector<at::Tensor> zs;   // Z₀ .. Z_iters
+  at::Tensor zs_all;            // (B, Hq, iters + 1, m, m) contiguous: Z₀ .. Z_iters
+  std::vector<at::Tensor> zs;   // its slices
   at::Tensor k2_input;          // kappa_star > 0: K2 (Z = NS(a) K2ᵀ), else undefined
 };
-
-inline at::Tensor eye_like(const at::Tensor& a) { return at::eye(a.size(-1), a.options()); }
-
-inline void norm_factors(const at::Tensor& a, at::Tensor& col, at::Tensor& row) {
-  col = a.abs().sum(-2).amax(-1);  // max column sum
-  row = a.abs().sum(-1).amax(-1);  // max row sum
-}
-
-// Gradient of amax over the last dim (torch's rule: shared evenly among ties); g has one dim less than x.
-inline at::Tensor amax_vjp(const at::Tensor& x, const at::Tensor& g) {
-  const at::Tensor tie = x.eq(x.amax(-1, true)).to(x.scalar_type());
-  return tie.mul(g.unsqueeze(-1).div(tie.sum(-1, true)));
-}
-
-// dA of NS(A) given dZ_iters, through every iterate and the ‖A‖₁‖A‖∞ normalisation of Z₀.
-inline at::Tensor ns_backward(const NsSaved& saved, at::Tensor gz) {
-  const at::Tensor& a = saved.a;
-  const at::Tensor eye = eye_like(a);
-  const at::Tensor at_ = a.transpose(-1, -2);
-  at::Tensor da = at::zeros_like(a);
-  for (int i = static_cast<int>(saved.zs.size()) - 2; i >= 0; --i) {
-    const at::Tensor& z = saved.zs[i];
-    const at::Tensor mz = a.matmul(z);
-    const at::Tensor mzt = mz.transpose(-1, -2);
-    const at::Tensor t1 = eye.mul(7).sub(mz);
-    const at::Tensor t2 = eye.mul(15).sub(mz.matmul(t1));
-    const at::Tensor t3 = eye.mul(13).sub(mz.matmul(t2));
-    const at::Tensor dz = gz.matmul(t3.transpose(-1, -2)).mul(0.25);
-    const at::Tensor dv = z.transpose(-1, -2).matmul(gz).mul(-0.25);  // d(M T2) = -dT3
-    const at::Tensor du = mzt.matmul(dv).neg();                          // d(M T1) = -dT2
-    const at::Tensor dm = dv.matmul(t2.transpose(-1, -2)).add(du.matmul(t1.transpose(-1, -2))).sub(mzt.matmul(du));
-    da = da.add(dm.matmul(z.transpose(-1, -2)));
-    gz = dz.add(at_.matmul(dm));
-  }
-  // Z₀ = Aᵀ / s, s = col · row
-  da = da.add(gz.transpose(-1, -2).div(saved.s));
-  const at::Tensor ds = gz.mul(saved.zs[0]).sum({-1, -2}).neg().div(saved.s.squeeze(-1).squeeze(-1));
-  at::Tensor col, row;
-  norm_factors(a, col, row);
-  const at::Tensor dcol = amax_vjp(a.abs().sum(-2), ds.mul(row));  // (..., m) per column
-  const at::Tensor drow = amax_vjp(a.abs().sum(-1), ds.mul(col));  // (..., m) per row
-  return da.add(a.sign().mul(dcol.unsqueeze(-2).add(drow.unsqueeze(-1))));
-}
-
-inline at::Tensor k2_inverse_backward(const NsSaved& saved, const at::Tensor& gz) {
-  if (!saved.k2_input.defined()) return ns_backward(saved, gz);
-  const at::Tensor& k2 = saved.k2_input;
-  const at::Tensor da = ns_backward(saved, gz.matmul(k2));  // Z = N K2ᵀ: dN = dZ K2
-  return gz.transpose(-1, -2).matmul(saved.zs.back()).add(k2.matmul(da.add(da.transpose(-1, -2))));
-}
 
 // Per-call state of the attention term.
 struct State {
@@ -266,6 +217,7 @@ at::Tensor inverse_stage(const Inputs& in, State& st, const at::Tensor& w0_in, b
   else if (m <= 64) launch_inverse<4, D>(ip, bh, stream);
   else launch_inverse<8, D>(ip, bh, stream);
   if (save) {
+    st.ns.zs_all = zs;
     st.ns.zs.clear();
     for (int t = 0; t <= in.iters; ++t) st.ns.zs.push_back(zs.select(2, t));
     if (in.kappa > 0.0) st.ns.k2_input = st.k2;
@@ -307,15 +259,23 @@ State landmark_state(Inputs& in, cudaStream_t stream) {
   return st;
 }
 
-// W0 = K3 v (B, Hq, m, D): split-N partials from nystrom_k3_fwd_kernel, merged in a fixed order.
+// (splits, chunk) of a split-N kernel over n rows in tiles of `tile`: about kTargetBlocks blocks in all when
+// `other` blocks share each split; chunk is a multiple of tile, every split non-empty.
+inline std::pair<int64_t, int64_t> split_plan(int64_t n, int64_t tile, int64_t other) {
+  const int64_t tiles = div_up(n, tile);
+  const int64_t splits = std::min({std::max<int64_t>(div_up(kTargetBlocks, other), 1), tiles, kMaxSplits});
+  const int64_t chunk = div_up(tiles, splits) * tile;
+  return {div_up(n, chunk), chunk};
+}
+
+// W0 = K3 v (B, Hq, m, D): split-N partials from nystrom_k3_fwd_kernel, merged in a fixed order. With `lse`,
+// also the base-2 log-sum-exp of each landmark's scores over the real keys (B, Hq, m): K3 = exp2(s - lse).
 template <typename T, int D>
-at::Tensor k3_values(Inputs& in, cudaStream_t stream) {
+at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr) {
   Params& p = in.p;
   constexpr int BL = K3Tiles<D>::BL, BK = K3Tiles<D>::BK;
-  const int64_t bh = in.batch * in.hq, ltiles = div_up(in.m, BL), ktiles = div_up(in.n, BK);
-  int64_t splits = std::min({std::max<int64_t>(div_up(kTargetBlocks, ltiles * bh), 1), ktiles, kMaxSplits});
-  const int64_t chunk = div_up(ktiles, splits) * BK;
-  splits = div_up(in.n, chunk);
+  const int64_t bh = in.batch * in.hq, ltiles = div_up(in.m, BL);
+  const auto [splits, chunk] = split_plan(in.n, BK, ltiles * bh);
   const auto f32 = in.q.options().dtype(at::kFloat);
   at::Tensor part_max = at::empty({splits, bh, in.m}, f32);
   at::Tensor part_sum = at::empty({splits, bh, in.m}, f32);
@@ -330,9 +290,10 @@ at::Tensor k3_values(Inputs& in, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const at::Tensor top = part_max.amax(0, true).clamp_min(-1e30);  // -inf (no real key anywhere) -> finite
   const at::Tensor w = part_max.sub(top).exp2();                     // (splits, B Hq, m), 0 for empty splits
-  const at::Tensor den = w.mul(part_sum).sum(0);
+  const at::Tensor den = w.mul(part_sum).sum(0).clamp_min(1e-30);
   const at::Tensor num = w.unsqueeze(-1).mul(part_acc).sum(0);
-  return num.div(den.clamp_min(1e-30).unsqueeze(-1)).view({in.batch, in.hq, in.m, in.d});
+  if (lse != nullptr) *lse = top.squeeze(0).add(den.log2()).view({in.batch, in.hq, in.m}).contiguous();
+  return num.div(den.unsqueeze(-1)).view({in.batch, in.hq, in.m, in.d});
 }
 
 // K2, Z, W = Z W0 and the output kernel's key/value buffers (landmarks where n > m, real tokens where n <= m);

@@ -238,29 +238,14 @@ template <int D> struct OutTiles {
   static constexpr bool kQ32 = D <= 64;  // q tile converted to fp32 once (else 16-bit, <= 48 KB static)
 };
 
-// Grid (ceil(N / BQ), Hq, B).
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 2) nystrom_out_fwd_kernel(const Params p) {
-  using Cfg = OutTiles<D>;
-  constexpr int BQ = Cfg::BQ, BK = Cfg::BK;
-  constexpr int TR = BQ / 16, TC = BK / 16, TD = D / 32;
-  __shared__ TileOf<Cfg::kQ32, BQ, D> qs;
-  __shared__ FTile<BK, D> ks;
-  __shared__ FTile<BK, D> vs;
-  __shared__ ScoreTile<BQ, BK> ps;
-
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const int q0 = blockIdx.x * BQ, h = blockIdx.y, b = blockIdx.z, g = h / p.groups;
-  const long long bh = (long long)b * p.hq + h;
-  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
-  const float* keys = p.keys + bh * p.slots * D;
-  const float* vals = p.vals + bh * p.slots * D;
-  const int nvalid = p.nvalid[b];
-  const float scale_log2 = p.root * kLog2e;  // keys carry √scale, q not yet
-
-  load_tile(qs, q, p.sq.n, q0, p.n);
-  float m[TR], l[TR];
-  float2 o[TR][TD];
+// Online softmax of the query tile `qs` (already loaded) over the nvalid first rows of the key/value buffer:
+// running max m (base 2), this thread's part of the row sum l and the unnormalised o = Σ p values, for rows
+// ty·TR + i and value column pairs tx + 16 c. Used by the forward's output kernel and the backward's row stats.
+template <typename T, int TR, int TD, typename TQ, int BQ, int BK, int D>
+__device__ __forceinline__ void buffer_attend(const TQ& qs, FTile<BK, D>& ks, FTile<BK, D>& vs, ScoreTile<BQ, BK>& ps,
+                                              const float* keys, const float* vals, int nvalid, float scale_log2,
+                                              float (&m)[TR], float (&l)[TR], float2 (&o)[TR][TD], int ty, int tx) {
+  constexpr int TC = BK / 16;
 #pragma unroll
   for (int i = 0; i < TR; ++i) {
     m[i] = -inf();
@@ -283,6 +268,28 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_out_fwd_kernel(const Para
     __syncthreads();
     tile_accumulate<T>(o, ps, vs, ty, tx);
   }
+}
+
+// Grid (ceil(N / BQ), Hq, B).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 2) nystrom_out_fwd_kernel(const Params p) {
+  using Cfg = OutTiles<D>;
+  constexpr int BQ = Cfg::BQ, BK = Cfg::BK;
+  constexpr int TR = BQ / 16, TD = D / 32;
+  __shared__ TileOf<Cfg::kQ32, BQ, D> qs;
+  __shared__ FTile<BK, D> ks;
+  __shared__ FTile<BK, D> vs;
+  __shared__ ScoreTile<BQ, BK> ps;
+
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int q0 = blockIdx.x * BQ, h = blockIdx.y, b = blockIdx.z, g = h / p.groups;
+  const long long bh = (long long)b * p.hq + h;
+  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
+  load_tile(qs, q, p.sq.n, q0, p.n);
+  float m[TR], l[TR];
+  float2 o[TR][TD];
+  buffer_attend<T>(qs, ks, vs, ps, p.keys + bh * p.slots * D, p.vals + bh * p.slots * D, p.nvalid[b],
+                   p.root * kLog2e, m, l, o, ty, tx);  // keys carry √scale, q not yet
 
   const int half = p.ks / 2;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h;

@@ -74,10 +74,11 @@ def test_extension_registers_the_cuda_kernels():
     assert_kernels_registered("nystrom")
 
 
-# (N, m, D): N = 1, N < m, N = m, N = m + 1, ragged tails, a long sequence with the most landmarks
+# (N, m, D): N = 1, N < m, N = m, N = m + 1, ragged tails, m not a multiple of the backward's 16-row tiles,
+# long sequences (many query / key splits in the backward) with the most landmarks
 @pytest.mark.parametrize("n, m, d", [(1, 16, 32), (7, 1, 64), (7, 16, 128), (63, 64, 64), (64, 64, 32),
-                                     (65, 64, 128), (65, 16, 64), (333, 32, 64), (333, 1, 32), (4097, 128, 64),
-                                     (4097, 32, 128)])
+                                     (65, 64, 128), (65, 16, 64), (333, 32, 64), (333, 1, 32), (300, 100, 128),
+                                     (4097, 128, 64), (4097, 32, 128)])
 def test_lengths_and_landmarks_gqa(n, m, d):
     b, hq, hkv = (1, 2, 1) if n > 1000 else (2, 4, 2)
     check(*make_inputs(b, hq, hkv, n, n, d), m=m)
@@ -157,6 +158,33 @@ def test_deterministic_forward():
     assert torch.equal(first, second)
 
 
+def test_backward_gqa_groups_of_four_deterministic():
+    """dk/dv sum the group's four q heads inside one block; the split partials merge in a fixed order."""
+    q, k, v = make_inputs(2, 8, 2, 1500, 1500, 32, seed=8)
+    mask = make_padding(2, 1500, min_real=700, seed=8).to(DEV)
+    conv = make_conv(8, 3, q.dtype)
+    _, first = check(q, k, v, m=16, conv=conv, mask=mask)
+    dout = torch.randn(q.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)).to(q.dtype)
+    second = torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, 16, 6, 0.0, 32 ** -0.5)
+    for got, want in zip(second, first):
+        assert torch.equal(got, want)
+
+
+def test_backward_memory_is_linear_in_n():
+    """No (N, m) matrix and no fp32 copy of q, k, v, dO: the backward's peak is its outputs plus O(m D) state."""
+    q, k, v = make_inputs(1, 4, 4, 65536, 65536, 64)
+    dout = torch.randn_like(q)
+    short = (t[:, :, :256] for t in (dout, q, k, v))
+    torch.ops.hfab.nystrom_bwd(*short, None, None, 32, 6, 0.0, 0.125)  # cuBLAS workspaces exist before we measure
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    grads = torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, None, 32, 6, 0.0, 0.125)
+    torch.cuda.synchronize()
+    outputs = sum(g.nbytes for g in grads)
+    assert torch.cuda.max_memory_allocated() - base <= outputs + 16 * 2 ** 20
+
+
 def test_non_contiguous_inputs_equal_contiguous():
     q, k, v = make_inputs(2, 4, 2, 65, 65, 64)
     mask = make_padding(2, 65, min_real=20, seed=3).to(DEV)
@@ -195,6 +223,13 @@ def test_launches_on_the_current_stream_and_in_cuda_graphs():
         return torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
 
     assert torch.equal(replay_in_cuda_graph(fn), fn())
+    dout = torch.randn_like(q)
+
+    def bwd():
+        return torch.cat([g.flatten() for g in torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, 32, 6, 0.0,
+                                                                         0.125)])
+
+    assert torch.equal(replay_in_cuda_graph(bwd), bwd())
 
 
 def test_opcheck():
@@ -240,7 +275,7 @@ def test_unsupported_configurations_raise_clear_errors():
 
 
 SANITIZED_RUN = """
-import torch
+import torch, hf_attention_backends
 g = torch.Generator(device="cuda").manual_seed(0)
 q = torch.randn(3, 2, 70, 32, device="cuda", generator=g).half()
 k, v = (torch.randn(3, 1, 70, 32, device="cuda", generator=g).half() for _ in range(2))

@@ -1,0 +1,592 @@
+// Nyström attention backward: the kernels over the sequence (N-sized work) on CUDA cores. No N x m matrix
+// and no fp32 copy of q, k, v or dO is written; softmax matrices are recomputed from their row statistics.
+//
+// Notation (nystrom_kernels.cuh): keys/vals = the fp32 key/value buffer (slots rows per (b, q head), nvalid
+// valid), K1 = softmax(q_s keysᵀ) (N x slots), K3 = softmax(Q̃ k_sᵀ) over the real keys (m x N),
+// out_attn = K1 vals, W0 = K3 v, dW0 the gradient of W0 (from the host's m x m VJP). Scores in base 2.
+//
+// Kernels (256 threads as 16 x 16, fp32 accumulation; every reduction in a fixed order: deterministic; the
+// tiled ones after the stats kernel take their tiles from dynamic shared memory, <Tiles>::Smem, so that D 128
+// gets 32 x 32 tiles too):
+//   nystrom_stats_bwd_kernel  per query block: lse1 = log2 Σ exp2(s) over the valid slots and
+//                             Δ1 = dO · out_attn (= rowsum(K1 ∘ dO valsᵀ)), both (B Hq, N)
+//   nystrom_k1_bwd_kernel     per (query split, slot tile, b h): partial d vals = K1ᵀ dO and d keys = dS1ᵀ q_s,
+//                             dS1 = K1 ∘ (dO valsᵀ − Δ1); (splits, B Hq, slots, D), summed in order by the host
+//   nystrom_k3_bwd_kernel     per (key split, landmark tile, b h): partial dQ̃ = dS3 k_s,
+//                             dS3 = K3 ∘ (dW0 vᵀ − rowdot), rowdot = rowsum(dW0 ∘ W0); (splits, B Hq, m, D)
+//   nystrom_kv_bwd_kernel     per (key block, kv head, b): dk, dv in k.dtype / v.dtype, one writer per row:
+//                             landmark sequences K3ᵀ dW0 and dS3ᵀ Q̃ summed over the group's q heads in order,
+//                             plus the landmark keys' gradient spread over their segments; exact sequences
+//                             the buffer gradient of the token's slot; conv: Σ_h Σ_t w[h, t] dO_h[j − t + c]
+//   nystrom_dq_bwd_kernel     per query block: dq = √scale (dS1 keys + [landmark sequence, real token]
+//                             dQ̃[l(i)] / |segment l(i)|) in q.dtype
+//   nystrom_ns_bwd_kernel     per (b, q head): the Newton–Schulz VJP through every saved iterate (m x m)
+#pragma once
+
+#include "nystrom/nystrom_kernels.cuh"
+
+namespace hfab {
+namespace nystrom {
+
+struct BwdParams {
+  Params p;                     // the forward's (q, k, v, mask, landmarks, key/value buffers, conv)
+  const void* dout;             // (B, Hq, N, D) contiguous, q.dtype
+  const int* cumsum;            // (B, N) inclusive cumsum of the mask (rank + 1 of a real token); nullptr = no mask
+  const unsigned char* exact;   // (B,) bool: n <= m (the buffer holds the real tokens)
+  bool landmarks;               // N > m: q_land, dw0, lse3, rowdot, dql, dkl are set
+  float* lse1;                  // (B Hq, N) base-2 log-sum-exp of the buffer scores (+inf: no valid slot)
+  float* delta1;                // (B Hq, N)
+  int a_chunk;                  // queries per split of nystrom_k1_bwd_kernel
+  float* part_dkeys;            // (splits, B Hq, slots, D)
+  float* part_dvals;            // (splits, B Hq, slots, D)
+  const float* dw0;             // (B Hq, m, D)
+  const float* lse3;            // (B Hq, m) base-2 log-sum-exp of the K3 scores over the real keys
+  const float* rowdot;          // (B Hq, m)
+  int b_chunk;                  // keys per split of nystrom_k3_bwd_kernel
+  float* part_dql;              // (splits, B Hq, m, D): partial dQ̃ (w.r.t. the scaled landmarks)
+  const float* dkeys_kv;        // (B, Hkv, slots, D): d keys summed over each kv head's q heads
+  const float* dvals_kv;        // (B, Hkv, slots, D)
+  const float* dkl;             // (B, Hkv, m, D): d K̃ (scaled landmark keys), summed over the group
+  const float* dql;             // (B, Hq, m, D): d Q̃ (scaled landmark queries)
+  void* dq;                     // (B, Hq, N, D) contiguous, q.dtype
+  void* dk;                     // (B, Hkv, N, D) contiguous
+  void* dv;
+};
+
+// 1 / |segment| of the landmark of real token `rank` of batch b, and that landmark (segment_bounds' rule).
+__device__ __forceinline__ float segment_share(const Params& p, int b, int rank, int& lt) {
+  const int n = p.n_real != nullptr ? p.n_real[b] : p.n;
+  lt = min(rank / max(n / p.m, 1), p.m - 1);
+  return 1.f / fmaxf(p.counts[(long long)b * p.m + lt], 1.f);
+}
+
+// Rank of token j among the real tokens of batch b, or -1 when j is padding.
+__device__ __forceinline__ int real_rank(const BwdParams& bp, int b, int j) {
+  const Params& p = bp.p;
+  if (p.mask == nullptr) return j;
+  return p.mask[b * p.mask_stride + j] ? bp.cumsum[(long long)b * p.n + j] - 1 : -1;
+}
+
+// acc += mul · the column pair c of an fp32 row.
+__device__ __forceinline__ void add_row(float2& acc, const float* row, int c, float mul) {
+  const float2 x = *reinterpret_cast<const float2*>(row + 2 * c);
+  acc.x = fmaf(mul, x.x, acc.x);
+  acc.y = fmaf(mul, x.y, acc.y);
+}
+
+// Grid (ceil(N / BQ), Hq, B); the output kernel's tiles.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 2) nystrom_stats_bwd_kernel(const BwdParams bp) {
+  using Cfg = OutTiles<D>;
+  constexpr int BQ = Cfg::BQ, BK = Cfg::BK;
+  constexpr int TR = BQ / 16, TD = D / 32;
+  __shared__ TileOf<Cfg::kQ32, BQ, D> qs;
+  __shared__ FTile<BK, D> ks;
+  __shared__ FTile<BK, D> vs;
+  __shared__ ScoreTile<BQ, BK> ps;
+  const Params& p = bp.p;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int q0 = blockIdx.x * BQ, h = blockIdx.y, b = blockIdx.z;
+  const long long bh = (long long)b * p.hq + h;
+  load_tile(qs, static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h, p.sq.n, q0, p.n);
+  float m[TR], l[TR];
+  float2 o[TR][TD];
+  buffer_attend<T>(qs, ks, vs, ps, p.keys + bh * p.slots * D, p.vals + bh * p.slots * D, p.nvalid[b],
+                   p.root * kLog2e, m, l, o, ty, tx);
+  const T* dout = static_cast<const T*>(bp.dout) + bh * p.n * D;
+#pragma unroll
+  for (int i = 0; i < TR; ++i) {
+    const float sum = halfwarp_sum(l[i]);
+    const int row = q0 + ty * TR + i;
+    float dot = 0.f;
+    if (row < p.n) {
+      const unsigned* drow = reinterpret_cast<const unsigned*>(dout + (long long)row * D);
+#pragma unroll
+      for (int c = 0; c < TD; ++c) {
+        const float2 x = Pair<T>::to_float2(drow[tx + 16 * c]);
+        dot = fmaf(x.x, o[i][c].x, fmaf(x.y, o[i][c].y, dot));
+      }
+    }
+    dot = halfwarp_sum(dot);
+    if (row < p.n && tx == 0) {
+      bp.lse1[bh * p.n + row] = sum > 0.f ? m[i] + __log2f(sum) : inf();
+      bp.delta1[bh * p.n + row] = sum > 0.f ? dot / sum : 0.f;
+    }
+  }
+}
+
+template <int D> struct K1Tiles {
+  static constexpr int BL = 32, BQ = D == 32 ? 64 : 32;  // slots x queries per tile
+  struct Smem {  // dynamic shared memory (up to 60 KB at D 128)
+    FTile<BL, D> ks, vs;
+    Tile<BQ, D> qs, dos;
+    ScoreTile<BL, BQ> ps, dss;
+    float lse[BQ], delta[BQ];
+  };
+};
+
+// Grid (splits, ceil(slots / BL), B Hq). Queries [split * a_chunk, min(+a_chunk, N)).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 2) nystrom_k1_bwd_kernel(const BwdParams bp) {
+  constexpr int BL = K1Tiles<D>::BL, BQ = K1Tiles<D>::BQ;
+  constexpr int TR = BL / 16, TC = BQ / 16, TD = D / 32;
+  extern __shared__ float4 bwd_smem[];
+  auto& sm = *reinterpret_cast<typename K1Tiles<D>::Smem*>(bwd_smem);
+  auto &ks = sm.ks, &vs = sm.vs;
+  auto &ps = sm.ps, &dss = sm.dss;
+  auto &qs = sm.qs, &dos = sm.dos;
+  float* const lse = sm.lse;
+  float* const delta = sm.delta;
+  const Params& p = bp.p;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int split = blockIdx.x, s0 = blockIdx.y * BL, bh = blockIdx.z;
+  const int b = bh / p.hq, h = bh % p.hq;
+  const int nvalid = p.nvalid[b];
+  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
+  const T* dout = static_cast<const T*>(bp.dout) + (long long)bh * p.n * D;
+  const float scale_log2 = p.root * kLog2e;
+  load_ftile_f32(ks, p.keys + (long long)bh * p.slots * D, s0, nvalid);
+  load_ftile_f32(vs, p.vals + (long long)bh * p.slots * D, s0, nvalid);
+  float2 accv[TR][TD], acck[TR][TD];
+#pragma unroll
+  for (int i = 0; i < TR; ++i)
+#pragma unroll
+    for (int c = 0; c < TD; ++c) accv[i][c] = acck[i][c] = make_float2(0.f, 0.f);
+
+  const int qbeg = split * bp.a_chunk, qend = s0 < nvalid ? min(qbeg + bp.a_chunk, p.n) : qbeg;
+  for (int q0 = qbeg; q0 < qend; q0 += BQ) {
+    __syncthreads();  // the previous tile's readers are done
+    load_tile(qs, q, p.sq.n, q0, qend);
+    load_tile(dos, dout, D, q0, qend);
+    for (int c = threadIdx.x; c < BQ; c += kThreads) {
+      const bool ok = q0 + c < qend;
+      lse[c] = ok ? bp.lse1[(long long)bh * p.n + q0 + c] : 0.f;
+      delta[c] = ok ? bp.delta1[(long long)bh * p.n + q0 + c] : 0.f;
+    }
+    __syncthreads();
+    float s[TR][TC], dp[TR][TC];
+    tile_dot<T>(s, ks, qs, ty, tx);
+    tile_dot<T>(dp, vs, dos, ty, tx);
+#pragma unroll
+    for (int i = 0; i < TR; ++i)
+#pragma unroll
+      for (int j = 0; j < TC; ++j) {
+        const int c = tx + 16 * j;
+        const bool ok = s0 + ty * TR + i < nvalid && q0 + c < qend;
+        const float pr = ok ? exp2f(fmaf(s[i][j], scale_log2, -lse[c])) : 0.f;
+        ps.v[ty * TR + i][c] = pr;
+        dss.v[ty * TR + i][c] = pr * (dp[i][j] - delta[c]);
+      }
+    __syncthreads();
+    tile_accumulate<T>(accv, ps, dos, ty, tx);
+    tile_accumulate<T>(acck, dss, qs, ty, tx);
+  }
+
+  const long long slab = (long long)split * gridDim.z + bh;  // (split, b h) slab of slots rows
+#pragma unroll
+  for (int i = 0; i < TR; ++i) {
+    const int row = s0 + ty * TR + i;
+    if (row >= p.slots) continue;
+    float2* dv = reinterpret_cast<float2*>(bp.part_dvals + (slab * p.slots + row) * D);
+    float2* dk = reinterpret_cast<float2*>(bp.part_dkeys + (slab * p.slots + row) * D);
+#pragma unroll
+    for (int c = 0; c < TD; ++c) {
+      dv[tx + 16 * c] = accv[i][c];
+      dk[tx + 16 * c] = make_float2(acck[i][c].x * p.root, acck[i][c].y * p.root);  // q_s = q √scale
+    }
+  }
+}
+
+template <int D> struct K3BwdTiles {
+  static constexpr int BL = 32, BK = D == 128 ? 32 : 64;  // landmarks x keys per tile
+  struct Smem {  // dynamic shared memory (up to 55 KB at D 128)
+    FTile<BL, D> ls, dws;
+    Tile<BK, D> ks, vs;
+    ScoreTile<BL, BK> ps;
+    float bias[BK];
+  };
+};
+
+// Grid (splits, ceil(m / BL), B Hq). Keys [split * b_chunk, min(+b_chunk, N)); exact sequences write zeros.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 2) nystrom_k3_bwd_kernel(const BwdParams bp) {
+  constexpr int BL = K3BwdTiles<D>::BL, BK = K3BwdTiles<D>::BK;
+  constexpr int TR = BL / 16, TC = BK / 16, TD = D / 32;
+  extern __shared__ float4 bwd_smem[];
+  auto& sm = *reinterpret_cast<typename K3BwdTiles<D>::Smem*>(bwd_smem);
+  auto &ls = sm.ls, &dws = sm.dws;
+  auto &ks = sm.ks, &vs = sm.vs;
+  auto& ps = sm.ps;
+  float* const bias = sm.bias;
+  const Params& p = bp.p;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int split = blockIdx.x, l0 = blockIdx.y * BL, bh = blockIdx.z;
+  const int b = bh / p.hq, h = bh % p.hq, g = h / p.groups;
+  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h;
+  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h;
+  const float scale_log2 = p.root * kLog2e;  // landmarks carry √scale, keys not yet
+  load_ftile_f32(ls, p.q_land + (long long)bh * p.m * D, l0, p.m);
+  load_ftile_f32(dws, bp.dw0 + (long long)bh * p.m * D, l0, p.m);
+  float lse[TR], rd[TR];
+#pragma unroll
+  for (int i = 0; i < TR; ++i) {
+    const int row = l0 + ty * TR + i;
+    lse[i] = row < p.m ? bp.lse3[(long long)bh * p.m + row] : 0.f;
+    rd[i] = row < p.m ? bp.rowdot[(long long)bh * p.m + row] : 0.f;
+  }
+  float2 o[TR][TD];
+#pragma unroll
+  for (int i = 0; i < TR; ++i)
+#pragma unroll
+    for (int c = 0; c < TD; ++c) o[i][c] = make_float2(0.f, 0.f);
+
+  const int kbeg = split * bp.b_chunk, kend = bp.exact[b] ? kbeg : min(kbeg + bp.b_chunk, p.n);
+  for (int k0 = kbeg; k0 < kend; k0 += BK) {
+    __syncthreads();
+    load_tile(ks, k, p.sk.n, k0, kend);
+    load_tile(vs, v, p.sv.n, k0, kend);
+    for (int c = threadIdx.x; c < BK; c += kThreads) {
+      const int j = k0 + c;
+      const bool ok = j < kend && (p.mask == nullptr || p.mask[b * p.mask_stride + j]);
+      bias[c] = ok ? 0.f : -inf();
+    }
+    __syncthreads();
+    float s[TR][TC], dp[TR][TC];
+    tile_dot<T>(s, ls, ks, ty, tx);
+    tile_dot<T>(dp, dws, vs, ty, tx);
+#pragma unroll
+    for (int i = 0; i < TR; ++i)
+#pragma unroll
+      for (int j = 0; j < TC; ++j) {
+        const float pr = exp2f(fmaf(s[i][j], scale_log2, bias[tx + 16 * j]) - lse[i]);
+        ps.v[ty * TR + i][tx + 16 * j] = pr * (dp[i][j] - rd[i]);
+      }
+    __syncthreads();
+    tile_accumulate<T>(o, ps, ks, ty, tx);
+  }
+
+  const long long slab = (long long)split * gridDim.z + bh;
+#pragma unroll
+  for (int i = 0; i < TR; ++i) {
+    const int row = l0 + ty * TR + i;
+    if (row >= p.m) continue;
+    float2* dst = reinterpret_cast<float2*>(bp.part_dql + (slab * p.m + row) * D);
+#pragma unroll
+    for (int c = 0; c < TD; ++c) dst[tx + 16 * c] = make_float2(o[i][c].x * p.root, o[i][c].y * p.root);  // k_s
+  }
+}
+
+template <int D> struct KvTiles {
+  static constexpr int BK = D == 128 ? 32 : 64, BL = 32;  // keys x landmarks per tile
+  struct Smem {  // dynamic shared memory (up to 60 KB at D 128)
+    Tile<BK, D> ks, vs;
+    FTile<BL, D> ls, dws;
+    ScoreTile<BK, BL> ps, dss;
+    float lse[BL], rd[BL], bias[BK];
+  };
+};
+
+// Grid (ceil(N / BK), Hkv, B).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 2) nystrom_kv_bwd_kernel(const BwdParams bp) {
+  constexpr int BK = KvTiles<D>::BK, BL = KvTiles<D>::BL;
+  constexpr int TR = BK / 16, TC = BL / 16, TD = D / 32;
+  extern __shared__ float4 bwd_smem[];
+  auto& sm = *reinterpret_cast<typename KvTiles<D>::Smem*>(bwd_smem);
+  auto &ks = sm.ks, &vs = sm.vs;
+  auto &ls = sm.ls, &dws = sm.dws;
+  auto &ps = sm.ps, &dss = sm.dss;
+  float* const lse = sm.lse;
+  float* const rd = sm.rd;
+  float* const bias = sm.bias;
+  const Params& p = bp.p;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int j0 = blockIdx.x * BK, g = blockIdx.y, b = blockIdx.z;
+  const long long bg = (long long)b * p.hkv + g;
+  const bool landmark = bp.landmarks && !bp.exact[b];
+  float2 acck[TR][TD], accv[TR][TD];
+#pragma unroll
+  for (int i = 0; i < TR; ++i)
+#pragma unroll
+    for (int c = 0; c < TD; ++c) acck[i][c] = accv[i][c] = make_float2(0.f, 0.f);
+
+  if (landmark) {
+    load_tile(ks, static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h, p.sk.n, j0, p.n);
+    load_tile(vs, static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h, p.sv.n, j0, p.n);
+    for (int c = threadIdx.x; c < BK; c += kThreads) {
+      const int j = j0 + c;
+      const bool ok = j < p.n && (p.mask == nullptr || p.mask[b * p.mask_stride + j]);
+      bias[c] = ok ? 0.f : -inf();
+    }
+    const float scale_log2 = p.root * kLog2e;
+    for (int hi = 0; hi < p.groups; ++hi) {  // the group's q heads in a fixed order
+      const long long bh = (long long)b * p.hq + g * p.groups + hi;
+      for (int l0 = 0; l0 < p.m; l0 += BL) {
+        __syncthreads();  // the previous tile's readers are done (and ks, vs, bias written)
+        load_ftile_f32(ls, p.q_land + bh * p.m * D, l0, p.m);
+        load_ftile_f32(dws, bp.dw0 + bh * p.m * D, l0, p.m);
+        for (int c = threadIdx.x; c < BL; c += kThreads) {
+          const bool ok = l0 + c < p.m;
+          lse[c] = ok ? bp.lse3[bh * p.m + l0 + c] : 0.f;
+          rd[c] = ok ? bp.rowdot[bh * p.m + l0 + c] : 0.f;
+        }
+        __syncthreads();
+        float s[TR][TC], dp[TR][TC];
+        tile_dot<T>(s, ks, ls, ty, tx);
+        tile_dot<T>(dp, vs, dws, ty, tx);
+#pragma unroll
+        for (int i = 0; i < TR; ++i)
+#pragma unroll
+          for (int j = 0; j < TC; ++j) {
+            const int c = tx + 16 * j;
+            const float pr =
+                l0 + c < p.m ? exp2f(fmaf(s[i][j], scale_log2, bias[ty * TR + i]) - lse[c]) : 0.f;
+            ps.v[ty * TR + i][c] = pr;
+            dss.v[ty * TR + i][c] = pr * (dp[i][j] - rd[c]);
+          }
+        __syncthreads();
+        tile_accumulate<T>(accv, ps, dws, ty, tx);
+        tile_accumulate<T>(acck, dss, ls, ty, tx);
+      }
+    }
+  }
+
+  const int half = p.ks / 2;
+#pragma unroll
+  for (int i = 0; i < TR; ++i) {
+    const int j = j0 + ty * TR + i;
+    if (j >= p.n) continue;
+    const int rank = real_rank(bp, b, j);
+    float2 dk[TD], dv[TD];
+#pragma unroll
+    for (int c = 0; c < TD; ++c) dk[c] = dv[c] = make_float2(0.f, 0.f);
+    if (rank >= 0) {
+      if (landmark) {
+        int lt;
+        const float share = segment_share(p, b, rank, lt);
+        const float* dkl = bp.dkl + (bg * p.m + lt) * D;
+#pragma unroll
+        for (int c = 0; c < TD; ++c) {
+          dk[c] = acck[i][c];
+          dv[c] = accv[i][c];
+          add_row(dk[c], dkl, tx + 16 * c, share);
+        }
+      } else if (rank < p.slots) {
+        const float* dkr = bp.dkeys_kv + (bg * p.slots + rank) * D;
+        const float* dvr = bp.dvals_kv + (bg * p.slots + rank) * D;
+#pragma unroll
+        for (int c = 0; c < TD; ++c) {
+          add_row(dk[c], dkr, tx + 16 * c, 1.f);
+          add_row(dv[c], dvr, tx + 16 * c, 1.f);
+        }
+      }
+      if (p.conv != nullptr) {
+        for (int hi = 0; hi < p.groups; ++hi) {
+          const int h = g * p.groups + hi;
+          const T* dout = static_cast<const T*>(bp.dout) + ((long long)b * p.hq + h) * p.n * D;
+          for (int t = 0; t < p.ks; ++t) {
+            const int row = j - t + half;
+            if (row < 0 || row >= p.n) continue;
+            const float w = p.conv[h * p.ks + t];
+            const unsigned* drow = reinterpret_cast<const unsigned*>(dout + (long long)row * D);
+#pragma unroll
+            for (int c = 0; c < TD; ++c) {
+              const float2 x = Pair<T>::to_float2(drow[tx + 16 * c]);
+              dv[c].x = fmaf(w, x.x, dv[c].x);
+              dv[c].y = fmaf(w, x.y, dv[c].y);
+            }
+          }
+        }
+      }
+    }
+    store_row<T, TD>(static_cast<T*>(bp.dk) + (bg * p.n + j) * D, dk, p.root, tx);  // k_s = k √scale
+    store_row<T, TD>(static_cast<T*>(bp.dv) + (bg * p.n + j) * D, dv, 1.f, tx);
+  }
+}
+
+template <int D> struct DqTiles {
+  static constexpr int BQ = D == 128 ? 32 : 64, BK = D == 32 ? 64 : 32;  // queries x slots
+  struct Smem {  // dynamic shared memory (up to 55 KB at D 128)
+    Tile<BQ, D> qs, dos;
+    FTile<BK, D> ks, vs;
+    ScoreTile<BQ, BK> ps;
+  };
+};
+
+// Grid (ceil(N / BQ), Hq, B).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 2) nystrom_dq_bwd_kernel(const BwdParams bp) {
+  constexpr int BQ = DqTiles<D>::BQ, BK = DqTiles<D>::BK;
+  constexpr int TR = BQ / 16, TC = BK / 16, TD = D / 32;
+  extern __shared__ float4 bwd_smem[];
+  auto& sm = *reinterpret_cast<typename DqTiles<D>::Smem*>(bwd_smem);
+  auto &qs = sm.qs, &dos = sm.dos;
+  auto &ks = sm.ks, &vs = sm.vs;
+  auto& ps = sm.ps;
+  const Params& p = bp.p;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int q0 = blockIdx.x * BQ, h = blockIdx.y, b = blockIdx.z;
+  const long long bh = (long long)b * p.hq + h;
+  const int nvalid = p.nvalid[b];
+  const float scale_log2 = p.root * kLog2e;
+  const float* keys = p.keys + bh * p.slots * D;
+  const float* vals = p.vals + bh * p.slots * D;
+  load_tile(qs, static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h, p.sq.n, q0, p.n);
+  load_tile(dos, static_cast<const T*>(bp.dout) + bh * p.n * D, D, q0, p.n);
+  float lse[TR], delta[TR];
+  float2 acc[TR][TD];
+#pragma unroll
+  for (int i = 0; i < TR; ++i) {
+    const int row = q0 + ty * TR + i;
+    lse[i] = row < p.n ? bp.lse1[bh * p.n + row] : 0.f;
+    delta[i] = row < p.n ? bp.delta1[bh * p.n + row] : 0.f;
+#pragma unroll
+    for (int c = 0; c < TD; ++c) acc[i][c] = make_float2(0.f, 0.f);
+  }
+  for (int k0 = 0; k0 < nvalid; k0 += BK) {
+    __syncthreads();
+    load_ftile_f32(ks, keys, k0, nvalid);
+    load_ftile_f32(vs, vals, k0, nvalid);
+    __syncthreads();
+    float s[TR][TC], dp[TR][TC];
+    tile_dot<T>(s, qs, ks, ty, tx);
+    tile_dot<T>(dp, dos, vs, ty, tx);
+#pragma unroll
+    for (int i = 0; i < TR; ++i)
+#pragma unroll
+      for (int j = 0; j < TC; ++j) {
+        const float pr = k0 + tx + 16 * j < nvalid ? exp2f(fmaf(s[i][j], scale_log2, -lse[i])) : 0.f;
+        ps.v[ty * TR + i][tx + 16 * j] = pr * (dp[i][j] - delta[i]);
+      }
+    __syncthreads();
+    tile_accumulate<T>(acc, ps, ks, ty, tx);
+  }
+
+  const bool landmark = bp.landmarks && !bp.exact[b];
+#pragma unroll
+  for (int i = 0; i < TR; ++i) {
+    const int row = q0 + ty * TR + i;
+    if (row >= p.n) continue;
+    const int rank = landmark ? real_rank(bp, b, row) : -1;
+    if (rank >= 0) {  // a real token of a landmark sequence: its landmark query's gradient
+      int lt;
+      const float share = segment_share(p, b, rank, lt);
+      const float* dql = bp.dql + (bh * p.m + lt) * D;
+#pragma unroll
+      for (int c = 0; c < TD; ++c) add_row(acc[i][c], dql, tx + 16 * c, share);
+    }
+    store_row<T, TD>(static_cast<T*>(bp.dq) + (bh * p.n + row) * D, acc[i], p.root, tx);  // q_s = q √scale
+  }
+}
+
+// The Newton–Schulz VJP of one (batch, q head) per block: from gz = dL/dZ_iters back through every step
+// Z ← ¼Z(13I − M(15I − M(7I − M))), M = AZ_i (the saved iterates), as the host's reference formula:
+//   t1 = 7I − M, t2 = 15I − M t1, t3 = 13I − M t2, dZ_i = ¼ gz t3ᵀ, dV = −¼ Z_iᵀ gz, dU = −Mᵀ dV,
+//   dM = dV t2ᵀ + dU t1ᵀ − Mᵀ dU, da += dM Z_iᵀ, gz ← dZ_i + Aᵀ dM.
+// Outputs da (the part of dL/dA through the products) and gz = dL/dZ₀. Matrices padded to MP = 16 TM with
+// zeros in the block's own global scratch (L1/L2 resident); thread (ty, tx) owns rows ty + 16 i and columns
+// tx + 16 j; every product sums over k < m only. Each product writes buffers that no thread reads in the
+// same phase, then one barrier.
+struct NsBwdParams {
+  const float* a;    // (B Hq, m, m) the matrix NS inverted
+  const float* zs;   // (B Hq, iters + 1, m, m) the iterates Z_0 .. Z_iters
+  const float* gz;   // (B Hq, m, m) dL/dZ_iters
+  float* da;         // (B Hq, m, m) out
+  float* gz0;        // (B Hq, m, m) out: dL/dZ_0
+  float* scratch;    // (B Hq, kNsBuffers, MP, MP)
+  int m, iters;
+};
+
+constexpr int kNsBuffers = 11;
+
+template <int TM>
+__global__ void __launch_bounds__(kThreads) nystrom_ns_bwd_kernel(const NsBwdParams p) {
+  constexpr int MP = 16 * TM, MM = MP * MP;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, m = p.m;
+  const long long bh = blockIdx.x, mm2 = (long long)m * m;
+  float* const a = p.scratch + bh * kNsBuffers * MM;
+  float* const mz = a + MM;
+  float* const t1 = a + 2 * MM;
+  float* const t2 = a + 3 * MM;
+  float* const t3 = a + 4 * MM;
+  float* const gz = a + 5 * MM;
+  float* const dz = a + 6 * MM;
+  float* const dv = a + 7 * MM;
+  float* const du = a + 8 * MM;
+  float* const dm = a + 9 * MM;
+  float* const da = a + 10 * MM;
+  for (int e = threadIdx.x; e < MM; e += kThreads) {
+    const int r = e / MP, c = e % MP;
+    const bool in = r < m && c < m;
+    a[e] = in ? p.a[bh * mm2 + r * m + c] : 0.f;
+    gz[e] = in ? p.gz[bh * mm2 + r * m + c] : 0.f;
+  }
+  __syncthreads();
+  auto at = [](const float* x) { return [x](int r, int c) { return x[r * MP + c]; }; };
+  auto tr = [](const float* x) { return [x](int r, int c) { return x[c * MP + r]; }; };
+  auto eye = [m](int r, int c, float v) { return r == c && r < m ? v : 0.f; };
+  float acc[TM][TM], dacc[TM][TM];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TM; ++j) da[(ty + 16 * i) * MP + tx + 16 * j] = 0.f;  // owner-only from here on
+  // acc → out[r][c] = f(r, c, acc) on this thread's entries
+  auto store = [&](float* out, auto f) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TM; ++j) {
+        const int r = ty + 16 * i, c = tx + 16 * j;
+        out[r * MP + c] = f(r, c, acc[i][j]);
+      }
+  };
+
+  for (int it = p.iters - 1; it >= 0; --it) {
+    const float* zi = p.zs + (bh * (p.iters + 1) + it) * mm2;
+    auto z = [zi, m](int r, int c) { return r < m && c < m ? zi[r * m + c] : 0.f; };
+    auto zt = [zi, m](int r, int c) { return r < m && c < m ? zi[c * m + r] : 0.f; };
+    inv_product(acc, m, at(a), z, ty, tx);  // M = A Z_i
+    store(mz, [](int, int, float x) { return x; });
+    store(t1, [&](int r, int c, float x) { return eye(r, c, 7.f) - x; });
+    __syncthreads();
+    inv_product(acc, m, at(mz), at(t1), ty, tx);
+    store(t2, [&](int r, int c, float x) { return eye(r, c, 15.f) - x; });
+    __syncthreads();
+    inv_product(acc, m, at(mz), at(t2), ty, tx);
+    store(t3, [&](int r, int c, float x) { return eye(r, c, 13.f) - x; });
+    __syncthreads();
+    inv_product(acc, m, at(gz), tr(t3), ty, tx);
+    store(dz, [](int, int, float x) { return 0.25f * x; });
+    inv_product(acc, m, zt, at(gz), ty, tx);
+    store(dv, [](int, int, float x) { return -0.25f * x; });
+    __syncthreads();
+    inv_product(acc, m, tr(mz), at(dv), ty, tx);
+    store(du, [](int, int, float x) { return -x; });
+    __syncthreads();
+    inv_product(dacc, m, at(dv), tr(t2), ty, tx);
+    inv_product(acc, m, at(du), tr(t1), ty, tx);
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TM; ++j) dacc[i][j] += acc[i][j];
+    inv_product(acc, m, tr(mz), at(du), ty, tx);
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TM; ++j) dm[(ty + 16 * i) * MP + tx + 16 * j] = dacc[i][j] - acc[i][j];
+    __syncthreads();
+    inv_product(acc, m, at(dm), zt, ty, tx);
+    store(da, [&](int r, int c, float x) { return da[r * MP + c] + x; });
+    inv_product(acc, m, tr(a), at(dm), ty, tx);
+    store(gz, [&](int r, int c, float x) { return dz[r * MP + c] + x; });
+    __syncthreads();
+  }
+  for (int e = threadIdx.x; e < m * m; e += kThreads) {  // after the last barrier: any thread may copy
+    const int r = e / m, c = e % m;
+    p.da[bh * mm2 + e] = da[r * MP + c];
+    p.gz0[bh * mm2 + e] = gz[r * MP + c];
+  }
+}
+
+}  // namespace nystrom
+}  // namespace hfab
