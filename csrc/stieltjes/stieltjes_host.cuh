@@ -36,6 +36,8 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
               " is not supported; supported: 32, 64, 128");
   TORCH_CHECK(std::isfinite(order) && order >= 1.0, op, ": order=", order, " is not supported; supported: a finite "
               "number >= 1");
+  TORCH_CHECK(std::isfinite(scale) && scale > 0.0, op, " (CUDA kernel): scale=", scale, " is not supported; "
+              "supported: a finite number > 0");
   TORCH_CHECK(q.size(1) <= 65535 && q.size(0) <= 65535, op, ": B=", q.size(0), " and Hq=", q.size(1),
               " must each be <= 65535 (CUDA grid limits)");
   TORCH_CHECK(q.size(2) < (int64_t{1} << 30) && k.size(2) < (int64_t{1} << 30), op,

@@ -10,11 +10,14 @@
 //
 // Kernels (128 threads = 4 warps, each warp owns 16 rows of the block; tiles in dynamic shared memory):
 //   stieltjes_fwd_kernel  (query block of 64, q head, batch): Q fragments stay in registers; sweeps over
-//                         the key tiles: stats (max, count, sum), newton_iter Newton sweeps, output sweep
-//   stieltjes_dq_kernel   (query block of 64, q head, batch): sweep 1 delta and sum P (to scratch),
-//                         sweep 2 dq = scale dS K
+//                         the key tiles of 64 (computed in sub-tiles of 32 keys): stats (max, count, sum),
+//                         newton_iter Newton sweeps, output sweep; only sub-tiles with a disallowed pair
+//                         (diagonal, padding, ragged ends) do per-element mask work (their raw scores set
+//                         to -inf; needs scale > 0)
+//   stieltjes_dq_kernel   (query block of 64, q head, batch), key tiles of 32: sweep 1 delta and sum P
+//                         (to scratch), sweep 2 dq = scale dS K
 //   stieltjes_dkv_kernel  (key block of 64, kv head, batch): loops over the group's q heads and the query
-//                         tiles: dv = (P / sum P)^T dO, dk = scale dS^T Q; no atomics
+//                         tiles (32, or 16 at D 128): dv = (P / sum P)^T dO, dk = scale dS^T Q; no atomics
 // Products whose left operand is computed in fp32 (P, dS) are split into a 16-bit high part and a 16-bit
 // residual (two mma), so the fp32 value enters the product to ~2^-16 relative instead of 2^-8 (bf16).
 #pragma once
@@ -78,7 +81,16 @@ template <> struct Mma<__nv_bfloat16> {
 
 __device__ __forceinline__ uint32_t lds32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-// Four 8x8 16-bit matrices transposed: lane l gives the address of row (l % 8) of matrix l / 8.
+// Four 8x8 16-bit matrices: lane l gives the address of row (l % 8) of matrix l / 8; register i holds
+// matrix i's elements (row lane / 4, columns 2 (lane % 4) + {0, 1}).
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* p) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// The same, transposed.
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -150,42 +162,57 @@ __device__ __forceinline__ void a_frags(uint32_t (&a)[D / 16][4], const HTile<RO
   }
 }
 
-// acc (16 x 8*NT) = A (16 x D, fragments) . B^T with B rows [0, 8*NT) of t (row-major, D columns).
+// acc (16 x 8*NT) = A (16 x D, fragments) . B^T with B rows t_row0 + [0, 8*NT) of t (row-major, D columns); the B
+// fragments of two 8-row n-tiles come from one ldmatrix.x4.
 template <int NT, int ROWS, int D, typename T>
 __device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const uint32_t (&a)[D / 16][4], const HTile<ROWS, D>& t,
-                                        int lane) {
-  const int g = lane / 4, c = 2 * (lane % 4);
+                                        int lane, int t_row0 = 0) {
+  static_assert(NT % 2 == 0 && 8 * NT <= ROWS, "tile shapes");
+  // matrices: (n-tile 2jj, k 0-7), (2jj, k 8-15), (2jj + 1, k 0-7), (2jj + 1, k 8-15)
+  const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 #pragma unroll
   for (int kc = 0; kc < D / 16; ++kc)
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
-      Mma<T>::run(acc[j], a[kc], lds32(&t.h[8 * j + g][16 * kc + c]), lds32(&t.h[8 * j + g][16 * kc + c + 8]));
+    for (int jj = 0; jj < NT / 2; ++jj) {
+      uint32_t b[4];
+      ldsm_x4(b, &t.h[t_row0 + 16 * jj + brow][16 * kc + bcol]);
+      Mma<T>::run(acc[2 * jj], a[kc], b[0], b[1]);
+      Mma<T>::run(acc[2 * jj + 1], a[kc], b[2], b[3]);
+    }
 }
 
-// The same with A rows [r0, r0 + 16) of a shared tile (fragments loaded per 16-column chunk).
+// The same with A rows [r0, r0 + 16) of a shared tile (fragments by ldmatrix.x4 per 16-column chunk).
 template <int NT, int RA, int ROWS, int D, typename T>
 __device__ __forceinline__ void mma_abt_smem(float (&acc)[NT][4], const HTile<RA, D>& ta, int r0,
                                              const HTile<ROWS, D>& t, int lane) {
-  const int g = lane / 4, c = 2 * (lane % 4);
+  static_assert(NT % 2 == 0 && 8 * NT <= ROWS, "tile shapes");
+  // A matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
+  const int arow = r0 + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
+  const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 #pragma unroll
   for (int kc = 0; kc < D / 16; ++kc) {
-    const uint32_t a[4] = {lds32(&ta.h[r0 + g][16 * kc + c]), lds32(&ta.h[r0 + g + 8][16 * kc + c]),
-                           lds32(&ta.h[r0 + g][16 * kc + c + 8]), lds32(&ta.h[r0 + g + 8][16 * kc + c + 8])};
+    uint32_t a[4];
+    ldsm_x4(a, &ta.h[arow][16 * kc + acol]);
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
-      Mma<T>::run(acc[j], a, lds32(&t.h[8 * j + g][16 * kc + c]), lds32(&t.h[8 * j + g][16 * kc + c + 8]));
+    for (int jj = 0; jj < NT / 2; ++jj) {
+      uint32_t bf[4];
+      ldsm_x4(bf, &t.h[16 * jj + brow][16 * kc + bcol]);
+      Mma<T>::run(acc[2 * jj], a, bf[0], bf[1]);
+      Mma<T>::run(acc[2 * jj + 1], a, bf[2], bf[3]);
+    }
   }
 }
 
-// acc (16 x D) += X (16 x 8*NT, fp32 accumulator layout) . B with B = t rows [0, 8*NT) (row-major, D columns).
+// acc (16 x D) += X (16 x 8*NT, fp32 accumulator layout) . B with B = t rows t_row0 + [0, 8*NT) (row-major, D
+// columns).
 // X enters as a 16-bit high part plus a 16-bit residual.
 template <int NT, int ROWS, int D, typename T>
 __device__ __forceinline__ void mma_xb(float (&acc)[D / 8][4], const float (&x)[NT][4], const HTile<ROWS, D>& t,
-                                      int lane) {
+                                      int lane, int t_row0 = 0) {
   static_assert(NT % 2 == 0 && 8 * NT <= ROWS, "tile shapes");
   const int lrow = (lane & 7) + ((lane >> 3) & 1) * 8, lcol = (lane >> 4) * 8;
 #pragma unroll
@@ -201,7 +228,7 @@ __device__ __forceinline__ void mma_xb(float (&acc)[D / 8][4], const float (&x)[
 #pragma unroll
     for (int dn = 0; dn < D / 16; ++dn) {
       uint32_t b[4];
-      ldsm_x4_trans(b, &t.h[16 * kc + lrow][16 * dn + lcol]);
+      ldsm_x4_trans(b, &t.h[t_row0 + 16 * kc + lrow][16 * dn + lcol]);
       Mma<T>::run(acc[2 * dn], hi, b[0], b[1]);
       Mma<T>::run(acc[2 * dn + 1], hi, b[2], b[3]);
       Mma<T>::run(acc[2 * dn], lo, b[0], b[1]);
@@ -237,25 +264,20 @@ __device__ __forceinline__ bool all_allowed(const Params& p, int q0, int rows, i
          (!p.causal || k0 + cols - 1 <= q0 + p.nk - p.nq);
 }
 
-// Accumulator of 16 query rows (r0 + g, r0 + g + 8) x 8*NT keys from k0: scaled scores, -inf where not allowed.
+// Raw scores (q.k, unscaled) of rows r0 + g, r0 + g + 8 x keys k0 + [0, 8 NT) in the mma accumulator layout:
+// -inf where the pair is not allowed (kbias: the key tile's 0 / -inf bias). With scale > 0, scale s - rowmax
+// stays -inf there, so lambda - x is +inf and y^(-order) is 0: no other per-element mask work.
 template <int NT>
-__device__ __forceinline__ void mask_rows(float (&s)[NT][4], const Params& p, const float* kbias, int r0, int k0,
-                                          int lane) {
+__device__ __forceinline__ void mask_raw(float (&s)[NT][4], const Params& p, const float* kbias, int r0, int k0,
+                                         int lane) {
   const int g = lane / 4, c = 2 * (lane % 4), off = p.nk - p.nq;
-  if (all_allowed(p, r0, 16, k0, 8 * NT)) {  // warp-uniform: interior tiles skip the per-element mask
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] *= p.scale;
-    return;
-  }
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = r0 + g + 8 * (e / 2), col = 8 * j + c + (e % 2);
       const bool ok = i < p.nq && (!p.causal || k0 + col <= i + off);
-      s[j][e] = ok ? s[j][e] * p.scale + kbias[col] : -inf();
+      s[j][e] = ok ? s[j][e] + kbias[col] : -inf();
     }
 }
 
@@ -265,8 +287,10 @@ __device__ __forceinline__ void load_bias(float* kbias, const Params& p, int b, 
 }
 
 template <int D> struct FwdCfg {
-  static constexpr int BQ = 64, BK = 64;
-  static constexpr int kMinBlocks = D <= 64 ? 3 : 2;  // per SM: caps registers at 170 (D <= 64) / 255
+  static constexpr int BQ = 64, BK = 64, KS = 32;  // key tiles of BK, computed in sub-tiles of KS keys
+  // blocks per SM the registers must allow: caps registers at 128 (D <= 64: 4 blocks), 255 (D 128: 2 blocks by
+  // its ~190 registers); lower caps (96, 80) spill
+  static constexpr int kMinBlocks = D <= 64 ? 4 : 2;
   struct Smem {  // key tiles double-buffered (cp.async prefetch of the next tile)
     HTile<BK, D> k[2];
     union {
@@ -280,30 +304,33 @@ template <int D> struct FwdCfg {
 template <typename T, int D, int IORD>
 __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd_kernel(const Params p) {
   using Cfg = FwdCfg<D>;
-  constexpr int BQ = Cfg::BQ, BK = Cfg::BK, NT = BK / 8;
+  constexpr int BQ = Cfg::BQ, BK = Cfg::BK, KS = Cfg::KS, NT = KS / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = 2 * (lane % 4);
   const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // longest causal blocks first
   const int h = blockIdx.y, b = blockIdx.z, kvh = h / p.groups;
   const int r0 = q0 + 16 * warp;
   const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h;
-  const float order = p.order, inv_order = 1.f / p.order;
+  const float order = p.order, inv_order = 1.f / p.order, scale = p.scale;
 
   load_rows(sm.u.q, q, p.sq.n, q0, p.nq);
   __syncthreads();
   uint32_t qf[D / 16][4];
   a_frags(qf, sm.u.q, 16 * warp, lane);
 
-  const int tiles = (key_end(p, q0, BQ) + BK - 1) / BK;
+  const int tiles = (key_end(p, q0, BQ) + BK - 1) / BK, warp_keys = key_end(p, r0, 16);
   auto issue = [&](bool with_v, int tile) {
     const int buf = tile & 1, k0 = tile * BK;
     load_rows_async(sm.k[buf], k, p.sk.n, k0, p.nk);
     if (with_v) load_rows_async(sm.u.v[buf], v, p.sv.n, k0, p.nk);
     load_bias<BK>(sm.kbias[buf], p, b, k0);
   };
+  // body(s, buf, koff, all): s = raw q.k of this warp's 16 rows x keys koff + [0, KS) of the tile in buffer buf,
+  // -inf where not allowed; all: every pair of the warp's sub-tile is allowed. Sub-tiles past the warp's last
+  // visible key (causal) are skipped: all their pairs are masked.
   auto sweep = [&](bool with_v, auto&& body) {
     if (tiles == 0) return;
     __syncthreads();  // readers of the previous sweep's buffers (and of q, aliased with v) are done
@@ -313,16 +340,35 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
       cp_async_wait_all();
       __syncthreads();  // tile `tile` has landed for every thread; tile - 1's readers are done
       if (tile + 1 < tiles) issue(with_v, tile + 1);  // overwrites the buffer tile - 1 used
-      float s[NT][4];
-      mma_abt<NT, BK, D, T>(s, qf, sm.k[buf], lane);
-      mask_rows(s, p, sm.kbias[buf], r0, tile * BK, lane);
-      body(s, buf);
+#pragma unroll
+      for (int koff = 0; koff < BK; koff += KS) {
+        const int k0 = tile * BK + koff;
+        if (k0 >= warp_keys) break;  // warp-uniform
+        float s[NT][4];
+        mma_abt<NT, BK, D, T>(s, qf, sm.k[buf], lane, koff);
+        const bool all = all_allowed(p, r0, 16, k0, KS);  // warp-uniform: interior sub-tiles skip the mask
+        if (!all) mask_raw(s, p, sm.kbias[buf] + koff, r0, k0, lane);
+        body(s, buf, koff, all);
+      }
     }
   };
 
-  // rows r0 + g (index 0) and r0 + g + 8 (index 1) of this thread
+  // rows r0 + g (index 0) and r0 + g + 8 (index 1) of this thread; max and sum of the raw scores, scaled after
+  // the sweep (scale > 0: the max of the scaled scores is the scaled max, to the bit)
   float m[2] = {-inf(), -inf()}, cnt[2] = {0.f, 0.f}, sum[2] = {0.f, 0.f};
-  sweep(false, [&](float (&s)[NT][4], int) {
+  sweep(false, [&](float (&s)[NT][4], int, int, bool all) {
+    if (all) {
+      cnt[0] += 2.f * NT;
+      cnt[1] += 2.f * NT;
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          m[e / 2] = fmaxf(m[e / 2], s[j][e]);
+          sum[e / 2] += s[j][e];
+        }
+      return;
+    }
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -333,25 +379,26 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
           sum[e / 2] += s[j][e];
         }
   });
-  float lam[2];
+  float lam[2], neg_m[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    m[r] = quad_max(m[r]);
+    m[r] = quad_max(m[r]) * scale;
     cnt[r] = quad_sum(cnt[r]);
-    sum[r] = quad_sum(sum[r]);
-    if (cnt[r] == 0.f) m[r] = 0.f;  // empty row: every score is -inf, x stays -inf
+    sum[r] = quad_sum(sum[r]) * scale;
+    if (cnt[r] == 0.f) m[r] = 0.f;  // empty row: every pair is masked, every y is +inf
+    neg_m[r] = -m[r];
     lam[r] = cnt[r] > 0.f ? fmaxf(1.f, exp2f(__log2f(cnt[r]) * inv_order) + (sum[r] / cnt[r] - m[r])) : 1.f;
   }
 
   for (int it = 0; it < p.newton_iter; ++it) {
     float f[2] = {0.f, 0.f}, s1[2] = {0.f, 0.f};
-    sweep(false, [&](float (&s)[NT][4], int) {
+    sweep(false, [&](float (&s)[NT][4], int, int, bool) {
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float pp, rr;
-          powers<IORD>(lam[e / 2] - (s[j][e] - m[e / 2]), order, pp, rr);
+          powers<IORD>(lam[e / 2] - fmaf(s[j][e], scale, neg_m[e / 2]), order, pp, rr);
           f[e / 2] += pp;
           s1[e / 2] += rr;
         }
@@ -366,21 +413,20 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
 
   float o[D / 8][4], l[2] = {0.f, 0.f};
 #pragma unroll
-  for (int c = 0; c < D / 8; ++c) o[c][0] = o[c][1] = o[c][2] = o[c][3] = 0.f;
-  sweep(true, [&](float (&s)[NT][4], int buf) {
+  for (int t = 0; t < D / 8; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+  sweep(true, [&](float (&s)[NT][4], int buf, int koff, bool) {
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float pp, rr;
-        powers<IORD>(lam[e / 2] - (s[j][e] - m[e / 2]), order, pp, rr);
+        powers<IORD>(lam[e / 2] - fmaf(s[j][e], scale, neg_m[e / 2]), order, pp, rr);
         s[j][e] = pp;
         l[e / 2] += pp;
       }
-    mma_xb<NT, BK, D, T>(o, s, sm.u.v[buf], lane);
+    mma_xb<NT, BK, D, T>(o, s, sm.u.v[buf], lane, koff);
   });
 
-  const int g = lane / 4, c = 2 * (lane % 4);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] = quad_sum(l[r]);
@@ -401,7 +447,8 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
 }
 
 template <int D> struct DqCfg {
-  static constexpr int BQ = 64, BK = D == 128 ? 32 : 64;
+  static constexpr int BQ = 64, BK = 32;
+  static constexpr int kMinBlocks = D == 128 ? 1 : 3;  // caps registers at 168 for D <= 64 (3 blocks per SM)
   struct Smem {
     union {
       struct {
@@ -416,7 +463,7 @@ template <int D> struct DqCfg {
 };
 
 template <typename T, int D, int IORD>
-__global__ void __launch_bounds__(kThreads, 1) stieltjes_dq_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_kernel(const Params p) {
   using Cfg = DqCfg<D>;
   constexpr int BQ = Cfg::BQ, BK = Cfg::BK, NT = BK / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -465,7 +512,8 @@ __global__ void __launch_bounds__(kThreads, 1) stieltjes_dq_kernel(const Params 
       float s[NT][4], dp[NT][4];
       mma_abt<NT, BK, D, T>(s, qf, sm.u.kv[buf].k, lane);
       mma_abt<NT, BK, D, T>(dp, df, sm.u.kv[buf].v, lane);
-      mask_rows(s, p, sm.kbias[buf], r0, tile * BK, lane);
+      if (!all_allowed(p, r0, 16, tile * BK, BK))  // warp-uniform: interior tiles skip the mask
+        mask_raw(s, p, sm.kbias[buf], r0, tile * BK, lane);
       body(s, dp, buf);
     }
   };
@@ -477,7 +525,7 @@ __global__ void __launch_bounds__(kThreads, 1) stieltjes_dq_kernel(const Params 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float pp, rr;
-        powers<IORD>(lam[e / 2] - (s[j][e] - m[e / 2]), order, pp, rr);
+        powers<IORD>(lam[e / 2] - fmaf(s[j][e], p.scale, -m[e / 2]), order, pp, rr);
         sr[e / 2] += rr;
         sdr[e / 2] = fmaf(dp[j][e], rr, sdr[e / 2]);
         sp[e / 2] += pp;
@@ -506,7 +554,7 @@ __global__ void __launch_bounds__(kThreads, 1) stieltjes_dq_kernel(const Params 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float pp, rr;
-        powers<IORD>(lam[e / 2] - (s[j][e] - m[e / 2]), order, pp, rr);
+        powers<IORD>(lam[e / 2] - fmaf(s[j][e], p.scale, -m[e / 2]), order, pp, rr);
         s[j][e] = order * rr * (dp[j][e] - delta[e / 2]);
       }
     mma_xb<NT, BK, D, T>(dq, s, sm.u.kv[buf].k, lane);
@@ -525,7 +573,8 @@ __global__ void __launch_bounds__(kThreads, 1) stieltjes_dq_kernel(const Params 
 }
 
 template <int D> struct DkvCfg {
-  static constexpr int BK = 64, BQ = D == 128 ? 16 : 64;
+  static constexpr int BK = 64, BQ = D == 128 ? 16 : 32;
+  static constexpr int kMinBlocks = D == 128 ? 1 : 3;  // caps registers at 168 for D <= 64 (3 blocks per SM)
   struct Smem {  // query tiles and their row state double-buffered (cp.async prefetch of the next tile)
     HTile<BK, D> k, v;
     HTile<BQ, D> q[2], dout[2];
@@ -534,7 +583,7 @@ template <int D> struct DkvCfg {
 };
 
 template <typename T, int D, int IORD>
-__global__ void __launch_bounds__(kThreads, 1) stieltjes_dkv_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv_kernel(const Params p) {
   using Cfg = DkvCfg<D>;
   constexpr int BK = Cfg::BK, BQ = Cfg::BQ, NT = BQ / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -192,14 +192,15 @@ def test_bfloat16(n, d):
 
 @pytest.mark.parametrize("order", [1.0, 2.0, 4.0, 8.0])
 @pytest.mark.parametrize("newton_iter", [1, 3])
-def test_same_newton_steps_as_the_reference(order, newton_iter):
+@pytest.mark.parametrize("scale", [64 ** -0.5, 0.1])  # 0.1: not a power of 2, so scaling rounds
+def test_same_newton_steps_as_the_reference(order, newton_iter, scale):
     """Step for step: the kernel's lambda after k Newton steps is the reference's (fp32 rounding apart)."""
     q, k, v = make_inputs(2, 4, 2, 333, 1000, 64, scale=2.0)
     mask = make_padding(2, 1000, seed=9).to(DEV)
     for causal in (False, True):
-        (out, rowmax, lam), _ = run_kernel(q, k, v, None, order=order, causal=causal, mask=mask,
+        (out, rowmax, lam), _ = run_kernel(q, k, v, None, order=order, causal=causal, scale=scale, mask=mask,
                                            newton_iter=newton_iter)
-        out_ref, rowmax_ref, lam_ref = reference.stieltjes_forward(q, k, v, mask, causal, 64 ** -0.5, order,
+        out_ref, rowmax_ref, lam_ref = reference.stieltjes_forward(q, k, v, mask, causal, scale, order,
                                                                    newton_iter)
         assert_close_to_oracle(rowmax, rowmax_ref, atol=1e-5, rtol=1e-6, name="rowmax")
         assert_close_to_oracle(lam, lam_ref, atol=0, rtol=2e-5, name="lambda")
@@ -311,6 +312,9 @@ def test_unsupported_configurations_raise_clear_errors():
         torch.ops.hfab.stieltjes_fwd(q, k, v, torch.ones(1, 8, dtype=torch.bool), False, 0.125, 4.0, 3)
     with pytest.raises(RuntimeError, match=r"order=0.5 is not supported; supported: a finite number >= 1"):
         torch.ops.hfab.stieltjes_fwd(q, k, v, None, False, 0.125, 0.5, 3)
+    for scale in (-0.125, math.inf):
+        with pytest.raises(RuntimeError, match=rf"scale={scale} is not supported; supported: a finite number > 0"):
+            torch.ops.hfab.stieltjes_fwd(q, k, v, None, False, scale, 4.0, 3)
     out, rowmax, lam = torch.ops.hfab.stieltjes_fwd(q, k, v, None, False, 0.125, 4.0, 3)
     with pytest.raises(RuntimeError, match=r"lam.dtype=Double; supported: torch.float32"):
         torch.ops.hfab.stieltjes_bwd(q, q, k, v, out, rowmax, lam.double(), None, False, 0.125, 4.0)
