@@ -27,11 +27,11 @@ PROVIDERS = ("sdpa", "race")
 
 
 def tiny_llama(device, dtype):
-    """A random 2-layer Llama with GQA (harness runs and tests)."""
+    """A random 2-layer Llama with GQA and head dim 32 (the smallest the CUDA kernels take)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    config = LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=128, max_position_embeddings=1 << 20)
     return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
 

@@ -217,9 +217,9 @@ def test_float32(n):
 
 @pytest.mark.parametrize("n", [1, 63, 65, 1100, 4097])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_tensor_core_backward_gqa_padding(n, dtype):
-    """fp16/bf16 with S <= 64 take the tensor-core dq kernel (1 to 5 groups of 16 key chunks here), GQA,
-    left padding with one row fully padded, causal and not."""
+def test_half_precision_backward_gqa_padding(n, dtype):
+    """fp16/bf16 with S <= 64 (the tensor-core dq kernel's shapes when race_host.cuh turns it on; 1 to 5 groups
+    of 16 key chunks here), GQA, left padding with one row fully padded, causal and not."""
     b, hq, hkv = (2, 2, 1) if n > 1000 else (2, 4, 2)
     q, k, v = make_inputs(b, hq, hkv, n, n, 64, dtype=dtype)
     mask = make_padding(b, n, left=True, seed=n).to(DEV)
@@ -232,7 +232,7 @@ def test_tensor_core_backward_gqa_padding(n, dtype):
 
 @pytest.mark.parametrize("num_planes, num_tables, d", [(1, 1, 64), (2, 3, 32), (3, 8, 128), (5, 2, 32), (6, 1, 128)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_tensor_core_backward_feature_maps(num_planes, num_tables, d, dtype):
+def test_half_precision_backward_feature_maps(num_planes, num_tables, d, dtype):
     """Every S <= 64 shape class of the tensor-core kernels (S = 2 .. 64, L * P = 1 .. 24), two key-chunk groups."""
     q, k, v = make_inputs(1, 2, 1, 1100, 1100, d, dtype=dtype, scale=2.0)
     planes = make_planes(num_tables, num_planes, d, seed=num_planes)
@@ -241,7 +241,7 @@ def test_tensor_core_backward_feature_maps(num_planes, num_tables, d, dtype):
 
 
 @pytest.mark.parametrize("nq, nk", [(1100, 4097), (333, 1100), (1100, 333), (200, 65)])
-def test_tensor_core_backward_unequal_lengths(nq, nk):
+def test_half_precision_backward_unequal_lengths(nq, nk):
     """Nq != Nk: key chunks before the first query tile, and (Nq > Nk) query tiles that no group visits."""
     q, k, v = make_inputs(1, 2, 1, nq, nk, 64, dtype=torch.bfloat16)
     for causal in (False, True):
