@@ -15,13 +15,12 @@ constant in context). Rows go to the benchmark CSV (case ``decode_<model>``, mod
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from . import report
+from . import report, timing
 
 PROVIDERS = ("sdpa", "race")
 
@@ -118,26 +117,6 @@ def prefill(model, cache, ids: torch.Tensor) -> torch.Tensor:
     return out.logits[:, -1].argmax(-1, keepdim=True)
 
 
-def time_steps(decode: Callable[[], None], steps: int, device) -> list[float]:
-    """Milliseconds of each of ``steps`` decode steps."""
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            decode()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            decode()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return times
-
-
 def run_provider(model, provider: str, *, batch: int, context: int, steps: int, graphs: bool, seed: int = 0,
                  tokens: Optional[list] = None) -> dict:
     """Prefill + ``steps`` timed decode steps for one provider; the result row's numbers.
@@ -161,25 +140,21 @@ def run_provider(model, provider: str, *, batch: int, context: int, steps: int, 
             decoder = Decoder(model, cache, first, context, max_len if provider == "sdpa" else None)
             if graphs:
                 decoder.capture()
-            times = []
-            for _ in range(steps):
-                times += time_steps(decoder, 1, device)
+            def step(_):
+                decoder()
                 if tokens is not None:
                     tokens.append(decoder.ids[:, 0].clone())
+
+            times = timing.times_ms(step, 0, steps, device)
         per_seq = state_bytes_per_sequence(cache, batch)
         peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
     finally:
         if provider == "race":
             hfab.disable_backend(model)
-    median = statistics.median(times)
-    return {"median_ms": median, "p20_ms": _quantile(times, 0.2), "p80_ms": _quantile(times, 0.8),
+    median, p20, p80 = timing.summarize(times)
+    return {"median_ms": median, "p20_ms": p20, "p80_ms": p80,
             "tokens_per_s": batch * 1e3 / median, "state_bytes_per_seq": per_seq, "peak_mem_MB": peak,
             "reps": len(times)}
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -67,7 +67,8 @@ def _peak_memory_mb(call: Callable[[int], None], index: int, device: torch.devic
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
-def _times_ms(call: Callable[[int], None], first: int, reps: int, device: torch.device) -> list[float]:
+def times_ms(call: Callable[[int], None], first: int, reps: int, device: torch.device) -> list[float]:
+    """Milliseconds of call(first) .. call(first + reps - 1), each between its own CUDA events (CPU: perf_counter)."""
     if device.type == "cuda":
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -110,5 +111,5 @@ def measure(call: Callable[[int], None], device: torch.device, *, warmup: int, r
     if device.type == "cuda":
         peak = _peak_memory_mb(call, index, device)
         index += 1
-    median, p20, p80 = summarize(_times_ms(call, index, reps, device))
+    median, p20, p80 = summarize(times_ms(call, index, reps, device))
     return Measurement(median, p20, p80, peak, reps)
