@@ -308,16 +308,13 @@ def run_verify(args) -> int:
     max_length = args.seq_len if spec.causal else None  # None: the model's limit (512 for MiniLM)
     batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt").to(device)
     mask = batch["attention_mask"].bool()
-    if spec.causal:
-        def forward():
-            return model(**batch, use_cache=False).logits
+    def forward():
+        return compared_output(model, batch, spec.causal)
 
+    if spec.causal:
         def metrics(out, ref):
             return logit_metrics(out, ref, batch["input_ids"], mask)
     else:
-        def forward():
-            return model(**batch).last_hidden_state
-
         def metrics(out, ref):
             return hidden_metrics(out, ref, mask)
 
@@ -367,6 +364,11 @@ def run_verify(args) -> int:
     return int(failed)
 
 
+def compared_output(model, batch, causal: bool) -> torch.Tensor:
+    """What verify compares: the logits of a causal LM (no cache), else the encoder's last hidden state."""
+    return model(**batch, use_cache=False).logits if causal else model(**batch).last_hidden_state
+
+
 def _decode_check(model, batch, backend: str, new_tokens: int) -> dict:
     """Greedy generate() of ``new_tokens`` after the first half of the shortest text (the same prefix length for
     every row, no padding), with RaceCache for race and transformers' default cache otherwise, against one full
@@ -403,9 +405,7 @@ def _reference_check(args, ref, outputs: dict, configs: dict, batch: dict, metri
     cpu_batch = {key: value.cpu() for key, value in batch.items()}
 
     def run(model):
-        out = model(**cpu_batch, use_cache=False).logits if MODELS[args.model].causal else \
-            model(**cpu_batch).last_hidden_state
-        return out.to(ref.device)
+        return compared_output(model, cpu_batch, MODELS[args.model].causal).to(ref.device)
 
     def with_backend(model, backend):
         enable_backend(model, backend, **configs[backend])
