@@ -177,7 +177,7 @@ inline bool tc_forward_applies(const at::Tensor& q, const Params& p, const c10::
 // Off (issue 6): on the H200 at 84f054a its dq passed every GPU test, but its q-side dbeta partials were up
 // to 2.5x over the tests' dbeta bound (about 2e-4 relative against a 1e-4 floor) in 8 tests; race_dq_bwd_kernel
 // runs until they are accurate enough. Measured with it on: causal N=65,536 fwd+bwd 13.3 ms (20.7 without).
-constexpr bool kTensorCoreBackward = false;
+constexpr bool kTensorCoreBackward = true;
 
 inline bool tc_backward_applies(const at::Tensor& q, const Params& p, const c10::Device& device) {
   return kTensorCoreBackward &&

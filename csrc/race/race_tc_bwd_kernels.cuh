@@ -3,7 +3,7 @@
 // race_group_dq_bwd_kernel walks the key chunks of one group (causal; non-causal: the query tiles of one
 // group) in order, as race_group_out_fwd_kernel does, with the group's prefix state [A, z] (from
 // race_group_state_fwd_kernel + the group scan) in shared memory. Per query tile (rows i, dO_i, den_i):
-//   [num, den]  = tile_num (the forward's products and precision: same rounded a, same den)
+//   [num, den]  = tile_num_fp32 (the forward's products with fp32-accurate operands)
 //   c^_i        = dO_i . num_i / den_i                     (c_i = G_i . O_i = c^_i / den_i, saved with den_i)
 //   ds'_ij      = dO_i . v_j - c^_i  over j <= i           (= den_i d a_ij: well scaled for 16-bit operands)
 //   dphi(q_i)   = (dO_i A^T - c^_i z + sum_j ds'_ij phi(k_j)) / den_i
@@ -11,7 +11,9 @@
 // Operand precision: dO_i A^T in tf32 with dO exact (fp16/bf16 are tf32 subsets) and A split in two tf32
 // halves; ds' = dO v^T on T operands (exact products, fp32 sums); sum_j ds' phi(k) with ds' scaled per row
 // by a power of two (row max in [1, 2): fp16 keeps its bits when dO is tiny) and split in two T halves,
-// phi(k) in two T halves (the forward's pkt). c^ z in fp32 on CUDA cores. No atomics.
+// phi(k) in two T halves (the forward's pkt). c^ z in fp32 on CUDA cores. num and den (so c^, den, c) from
+// fp32 phi(q), the state and phi(k) in two tf32 halves: with the forward's fp16 phi and tf32 state, c^ missed the
+// exact cancellation sum_j a_ij (G_i . v_j - c_i) = 0 by ~1e-4 relative, and dbeta (both sides) with it. No atomics.
 // The key side (dk, dv) stays on the CUDA-core race_dkv_bwd_kernel (race_kernels.cuh), which reads the
 // den and c written here.
 #pragma once
@@ -62,8 +64,88 @@ __device__ __forceinline__ float phi_at(const Params& p, const float* sp, const 
   return val;
 }
 
-// dq rows, den, c and the dbeta partial of query tile m. Expects: phq, sp / sm, u, dO of the tile; the
-// state before the tile's chunk in st; when `intra`, the chunk's phk, pkt, vt, okk and v row-major in x.
+// x in two tf32 halves: hi + lo keeps about 22 of its 24 significand bits.
+__device__ __forceinline__ void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
+  hi = mma::to_tf32(x);
+  lo = mma::to_tf32(x - __uint_as_float(hi));
+}
+
+// [num, den] of one query tile as tile_num computes them, with fp32-accurate products: phi(q) in fp32 from the
+// sigma tables, the state and (when `intra`) phi(k) = pkt hi + lo, each in two tf32 halves (hi hi + hi lo +
+// lo hi), then the masked scores in two T halves times [v, 1] as in tile_num. c^ = dO . num / den must match
+// the fp32 phi(q), phi(k) and state that dphi(q) and the key side (race_dkv_bwd_kernel, fp32) use: the
+// forward's fp16 phi(q) and tf32 state leave c^ ~1e-4 relative off, far above the dbeta tolerance.
+template <typename T, int D>
+__device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>& s, bool intra,
+                                              float (&acc)[D / 8 + 1][4]) {
+  constexpr int kX = D + 8;
+  constexpr int kN = D / 8 + 1;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+  const int nf = (p.features + 7) / 8;  // feature k-steps that are not all zero
+  float sc[kC / 8][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < kS / 8; ++kk) {
+    if (kk >= nf) continue;
+    uint32_t qhi[4], qlo[4];  // A register r: row g + 8 (r % 2), feature kk * 8 + t + 4 (r / 2)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = r0 + g + 8 * (r % 2), f = kk * 8 + t + 4 * (r / 2);
+      tf32_split(f < p.features && s.okq[row] ? phi_at(p, s.sp, s.sm, row, f) : 0.f, qhi[r], qlo[r]);
+    }
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const float* col = s.st + (kk * 8 + t) * kX + n * 8 + g;
+      uint32_t bhi[2], blo[2];
+      tf32_split(col[0], bhi[0], blo[0]);
+      tf32_split(col[4 * kX], bhi[1], blo[1]);
+      mma::m16n8k8_tf32(acc[n], qhi, bhi);
+      mma::m16n8k8_tf32(acc[n], qhi, blo);
+      mma::m16n8k8_tf32(acc[n], qlo, bhi);
+    }
+    if (!intra) continue;
+#pragma unroll
+    for (int n = 0; n < kC / 8; ++n) {  // B register e: feature kk * 8 + t + 4 e, key n * 8 + g
+      const T* k0 = s.pkt + (kk * 8 + t) * kT + n * 8 + g;
+      uint32_t bhi[2], blo[2];
+      tf32_split(to_float(k0[0]) + to_float(k0[kS * kT]), bhi[0], blo[0]);
+      tf32_split(to_float(k0[4 * kT]) + to_float(k0[(kS + 4) * kT]), bhi[1], blo[1]);
+      mma::m16n8k8_tf32(sc[n], qhi, bhi);
+      mma::m16n8k8_tf32(sc[n], qhi, blo);
+      mma::m16n8k8_tf32(sc[n], qlo, bhi);
+    }
+  }
+  if (!intra) return;
+#pragma unroll
+  for (int n = 0; n < kC / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = r0 + g + (e >= 2 ? 8 : 0), j = n * 8 + 2 * t + (e & 1);
+      if (j > i) sc[n][e] = 0.f;  // tile m and chunk kappa0 + m share their diagonal
+    }
+#pragma unroll
+  for (int kk = 0; kk < kC / 16; ++kk) {
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // A register r: scores of n-tile 2kk + r / 2, elements 2 (r % 2) + {0, 1}
+      const float x0 = sc[2 * kk + r / 2][2 * (r % 2)], x1 = sc[2 * kk + r / 2][2 * (r % 2) + 1];
+      T h0, l0, h1, l1;
+      mma::split<T>(x0, h0, l0);
+      mma::split<T>(x1, h1, l1);
+      hi[r] = mma::pack2<T>(to_float(h0), to_float(h1));
+      lo[r] = mma::pack2<T>(to_float(l0), to_float(l1));
+    }
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const T* vrow = s.vt + (n * 8 + g) * kT + kk * 16 + 2 * t;
+      const uint32_t b[2] = {mma::ld32(vrow), mma::ld32(vrow + 8)};
+      mma::m16n8k16(acc[n], hi, b, T{});
+      mma::m16n8k16(acc[n], lo, b, T{});
+    }
+  }
+}
+
+// dq rows, den, c and the dbeta partial of query tile m. Expects: sp / sm, u, dO of the tile; the state
+// before the tile's chunk in st; when `intra`, the chunk's pkt, vt, okk and v row-major in x.
 template <typename T, int D>
 __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, Tiles<T, D>& s, BwdTiles<T, D>& bt) {
   constexpr int kX = D + 8;
@@ -74,7 +156,7 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
   float chat[2], inv[2];
   {
     float acc[kN][4] = {};
-    tile_num<T, D>(s, intra, acc);
+    tile_num_fp32<T, D>(p, s, intra, acc);
     const int quad = lane & ~3;  // den = column D, held by the quad's t = 0 lane
     const float dens[2] = {__shfl_sync(0xffffffffu, acc[kN - 1][0], quad),
                            __shfl_sync(0xffffffffu, acc[kN - 1][2], quad)};

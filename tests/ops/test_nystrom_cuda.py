@@ -98,13 +98,7 @@ def test_kappa_star_and_conv(kappa, ks):
     check(q, k, v, m=16, kappa=kappa, conv=conv)
 
 
-# newton_iter=20: the fused backward (84f054a) measured dq 4.51e-1 against the bound 4.31e-1 (3 x the fp16
-# reference's 1.44e-1) on the H200, where the ATen backward it replaced was within; strict, so the marker
-# goes when a fix lands (issue 4)
-NS20_OVER_BOUND = pytest.mark.xfail(strict=True, reason="issue 4: dq 5% over its bound at newton_iter=20")
-
-
-@pytest.mark.parametrize("iters", [0, 1, pytest.param(20, marks=NS20_OVER_BOUND)])
+@pytest.mark.parametrize("iters", [0, 1, 20])
 def test_newton_iterations(iters):
     check(*make_inputs(2, 2, 1, 100, 100, 32), m=8, iters=iters, kappa=0.0 if iters != 1 else 3.0)
 
