@@ -351,8 +351,12 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
                 return sum(token_mean(accelerator, err, count) for err, _, count in forcing.terms.values()) / len(
                     forcing.terms)
 
+            def evaluate_student(wrapped):
+                with forcing.paused():
+                    return evaluate_fn(wrapped)
+
             model, losses = run_stage("transfer", accelerator, student, params, transfer_loss, train_loader,
-                                      recipe.transfer.steps, recipe.transfer.lr, recipe, log, evaluate_fn,
+                                      recipe.transfer.steps, recipe.transfer.lr, recipe, log, evaluate_student,
                                       save=saver, resume=resume_for("transfer"))
         summary["transfer"] = {"first_loss": losses[0], "last_loss": losses[-1], "eval": evaluate_fn(model)}
         log.metrics("transfer", recipe.transfer.steps, eval=summary["transfer"]["eval"])

@@ -25,6 +25,7 @@ of the attention module's first output (the projected output for Llama-like fami
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from typing import Iterable, Optional, Sequence
@@ -69,6 +70,16 @@ class TeacherForcing:
         self._handles = []
         self._originals: dict[int, dict[str, Tensor]] = {}
         self._in_teacher = False
+        self._paused = False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Forwards inside run the student alone (no teacher, no terms): evaluation in the middle of training."""
+        self._paused = True
+        try:
+            yield self
+        finally:
+            self._paused = False
 
     def __enter__(self):
         for idx, module in self.modules:
@@ -102,7 +113,7 @@ class TeacherForcing:
 
     def _hook(self, idx):
         def hook(module, args, kwargs, output):
-            if self._in_teacher:
+            if self._in_teacher or self._paused:
                 return None
             if kwargs.get("past_key_values") is not None or kwargs.get("past_key_value") is not None:
                 raise ValueError(f"layer {idx} received a KV cache; run the forward with use_cache=False (the "

@@ -48,6 +48,21 @@ def test_teacher_forcing_gives_the_softmax_model_output():
     assert set(forcing.terms) == {0, 1} and all(float(e) > 0 for e, _, _ in forcing.terms.values())
 
 
+def test_paused_teacher_forcing_runs_the_student_alone():
+    model = hfab.convert(peaked(), "race", num_planes=2, num_tables=2)
+    inputs = tiny_inputs("llama", 3, 16)
+    with torch.no_grad():
+        plain = output_of(model, **inputs)
+        with TeacherForcing(model) as forcing:
+            forcing.token_mask = torch.ones(5, 7)  # a training batch's mask, stale for this forward
+            with forcing.paused():
+                paused = output_of(model, **inputs, use_cache=False)
+            forcing.token_mask = None
+            forced = output_of(model, **inputs, use_cache=False)
+    torch.testing.assert_close(paused, plain, rtol=0, atol=0)
+    assert not torch.allclose(forced, plain, atol=1e-3), "forcing resumes after the paused block"
+
+
 def test_teacher_forcing_refuses_a_kv_cache():
     model = hfab.convert(peaked(), "race")
     with TeacherForcing(model), pytest.raises(ValueError, match="use_cache=False"):
