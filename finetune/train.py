@@ -54,7 +54,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 import hf_attention_backends as hfab
-from hf_attention_backends.calibrate import TeacherForcing, calibrate, forward_kwargs
+from hf_attention_backends.calibrate import TeacherForcing, calibrate, converted_layers, forward_kwargs
 
 from .checkpoint import EpochSampler, check_compatible, read_state, resolve_resume, save_checkpoint
 from .config import ConfigError, Recipe, load_recipe
@@ -144,11 +144,15 @@ def evaluate(accelerator, model, teacher, loader, causal: bool, max_batches=None
     return {"cosine": cos / max(rows, 1)} if teacher is not None and teacher is not model else {}
 
 
-def trainable(model, names=()) -> list:
-    """Freeze ``model`` except ``hfab_*`` parameters and those whose name contains one of ``names``."""
+def trainable(model, names=(), within=None) -> list:
+    """Freeze ``model`` except ``hfab_*`` parameters and those whose name contains one of ``names``; with
+    ``within`` (modules), only the named parameters inside those modules (attention transfer: the converted
+    layers; a softmax layer left out of the plan must not move to please the converted layers after it)."""
+    allowed = None if within is None else {id(p) for m in within for p in m.parameters()}
     params = []
     for name, p in model.named_parameters():
-        keep = name.rsplit(".", 1)[-1].startswith("hfab_") or any(n in name for n in names)
+        named = any(n in name for n in names) and (allowed is None or id(p) in allowed)
+        keep = name.rsplit(".", 1)[-1].startswith("hfab_") or named
         p.requires_grad_(keep)
         if keep:
             params.append(p)
@@ -321,8 +325,9 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
         global_batch = d.batch_size * accelerator.num_processes  # every process calibrates on the same rows
         batches = [{k: v.to(accelerator.device) for k, v in b.items()}
                    for _, b in zip(range(cal.batches), torch.utils.data.DataLoader(train_rows, global_batch))]
-        report = calibrate(student, batches, race_betas=cal.race_betas, stieltjes_orders=cal.stieltjes_orders,
-                           temperatures=cal.stieltjes_temperatures, steps=cal.steps, lr=cal.lr)
+        with accelerator.autocast():  # the training precision (the Stieltjes kernels take fp16/bf16 only)
+            report = calibrate(student, batches, race_betas=cal.race_betas, stieltjes_orders=cal.stieltjes_orders,
+                               temperatures=cal.stieltjes_temperatures, steps=cal.steps, lr=cal.lr)
         if state is None:
             log.event(stage="calibrate", report=report)
             if accelerator.is_main_process:
@@ -343,7 +348,7 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     model = student
     start = stage_rank(state["stage"]) if state is not None else 0
     if recipe.transfer.steps and start <= stage_rank("transfer"):
-        params = trainable(student, recipe.transfer.train)
+        params = trainable(student, recipe.transfer.train, within=[m for _, m in converted_layers(student)])
         with TeacherForcing(student) as forcing:
             def transfer_loss(wrapped, batch):
                 forcing.token_mask, forcing.terms = batch["attention_mask"], {}

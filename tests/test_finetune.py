@@ -10,7 +10,7 @@ import torch
 from accelerate import Accelerator
 
 import hf_attention_backends as hfab
-from hf_attention_backends.calibrate import TeacherForcing, forward_kwargs
+from hf_attention_backends.calibrate import TeacherForcing, converted_layers, forward_kwargs
 from finetune.config import ConfigError, Recipe, load_recipe, recipe_from_dict
 from finetune.data import ByteTokenizer, load_documents, split_documents, tokenize_rows
 from finetune.models import load_model
@@ -134,6 +134,17 @@ def test_attention_transfer_and_lm_loss_decrease():
     _, losses = run_stage("fine_tune", accelerator, student, params, lm_loss, batches, 8, 3e-3, recipe,
                           None, None)
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_transfer_trains_named_parameters_of_converted_layers_only():
+    model, _, _ = load_model("tiny_llama")
+    student = hfab.convert(model, "race", [1], num_planes=2, num_tables=2)  # layer 0 stays softmax
+    params = trainable(student, ["k_proj"], within=[m for _, m in converted_layers(student)])
+    names = {n for n, p in student.named_parameters() if p.requires_grad and "hfab_" not in n}
+    assert names == {"model.layers.1.self_attn.k_proj.weight"} and len(params) == 1 + sum(
+        "hfab_" in n for n, _ in student.named_parameters()), names
+    trainable(student, ["k_proj"])
+    assert student.get_parameter("model.layers.0.self_attn.k_proj.weight").requires_grad
 
 
 def test_stage_without_trainable_parameters_is_refused():
