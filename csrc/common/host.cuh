@@ -71,6 +71,20 @@ decltype(auto) dispatch_head_dim(int64_t d, Fn&& fn) {
   }
 }
 
+// The head dims the kernels are instantiated for (dispatch_head_dim).
+inline void check_head_dim(const char* op, int64_t d) {
+  TORCH_CHECK(d == 32 || d == 64 || d == 128, op, " (CUDA kernel): head dim D=", d,
+              " is not supported; supported: 32, 64, 128");
+}
+
+// Grids with batch and query heads in their y/z dimensions and 32-bit row indices.
+inline void check_grid_limits(const char* op, int64_t batch, int64_t heads, int64_t nq, int64_t nk) {
+  TORCH_CHECK(heads <= 65535 && batch <= 65535, op, ": B=", batch, " and Hq=", heads,
+              " must each be <= 65535 (CUDA grid limits)");
+  TORCH_CHECK(nq < (int64_t{1} << 30) && nk < (int64_t{1} << 30), op, ": sequence lengths must be < 2^30, got Nq=",
+              nq, ", Nk=", nk);
+}
+
 inline unsigned blocks(int64_t n, int per_block) { return static_cast<unsigned>((n + per_block - 1) / per_block); }
 
 inline int compute_capability_major(const c10::Device& device) {

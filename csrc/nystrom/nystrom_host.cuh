@@ -58,8 +58,7 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   TORCH_CHECK(major >= 8, op, " (CUDA kernel): needs an sm_80 or newer GPU; ", device, " is sm_", major,
               "x. Run the CPU reference instead");
   const int64_t d = q.size(3);
-  TORCH_CHECK(d == 32 || d == 64 || d == 128, op, " (CUDA kernel): head dim D=", d,
-              " is not supported; supported: 32, 64, 128");
+  check_head_dim(op, d);
   TORCH_CHECK(num_landmarks >= 1 && num_landmarks <= kMaxLandmarks, op, " (CUDA kernel): num_landmarks=",
               num_landmarks, " is not supported; supported: 1..", kMaxLandmarks, ". Use the CPU reference for more");
   TORCH_CHECK(newton_iter >= 0 && newton_iter <= kMaxNewtonIter, op, " (CUDA kernel): newton_iter=", newton_iter,

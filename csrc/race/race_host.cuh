@@ -67,8 +67,7 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   TORCH_CHECK(major >= 8, op, " (CUDA kernel): needs an sm_80 or newer GPU; ", device, " is sm_", major,
               "x. Run the CPU reference instead");
   const int64_t d = q.size(3);
-  TORCH_CHECK(d == 32 || d == 64 || d == 128, op, " (CUDA kernel): head dim D=", d,
-              " is not supported; supported: 32, 64, 128");
+  check_head_dim(op, d);
   TORCH_CHECK(planes.dim() == 3 && planes.size(2) == d, op, ": planes.shape=", planes.sizes(),
               "; expected (L, P, D) with D=", d);
   const int64_t num_tables = planes.size(0), num_planes = planes.size(1);
@@ -81,10 +80,7 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   const int64_t hq = q.size(1);
   TORCH_CHECK(beta.dim() == 0 || (beta.dim() == 1 && beta.size(0) == hq), op, ": beta.shape=", beta.sizes(),
               "; supported: () or (Hq,)=(", hq, ",)");
-  TORCH_CHECK(hq <= 65535 && q.size(0) <= 65535, op, ": B=", q.size(0), " and Hq=", hq,
-              " must each be <= 65535 (CUDA grid limits)");
-  TORCH_CHECK(q.size(2) < (int64_t{1} << 30) && k.size(2) < (int64_t{1} << 30), op,
-              ": sequence lengths must be < 2^30, got Nq=", q.size(2), ", Nk=", k.size(2));
+  check_grid_limits(op, q.size(0), hq, q.size(2), k.size(2));
 
   Inputs in;
   in.q = unit_last_stride(q);

@@ -32,16 +32,12 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   TORCH_CHECK(major >= 8, op, " (CUDA kernel): needs an sm_80 or newer GPU (tensor-core mma.sync); ", device,
               " is sm_", major, "x");
   const int64_t d = q.size(3);
-  TORCH_CHECK(d == 32 || d == 64 || d == 128, op, " (CUDA kernel): head dim D=", d,
-              " is not supported; supported: 32, 64, 128");
+  check_head_dim(op, d);
   TORCH_CHECK(std::isfinite(order) && order >= 1.0, op, ": order=", order, " is not supported; supported: a finite "
               "number >= 1");
   TORCH_CHECK(std::isfinite(scale) && scale > 0.0, op, " (CUDA kernel): scale=", scale, " is not supported; "
               "supported: a finite number > 0");
-  TORCH_CHECK(q.size(1) <= 65535 && q.size(0) <= 65535, op, ": B=", q.size(0), " and Hq=", q.size(1),
-              " must each be <= 65535 (CUDA grid limits)");
-  TORCH_CHECK(q.size(2) < (int64_t{1} << 30) && k.size(2) < (int64_t{1} << 30), op,
-              ": sequence lengths must be < 2^30, got Nq=", q.size(2), ", Nk=", k.size(2));
+  check_grid_limits(op, q.size(0), q.size(1), q.size(2), k.size(2));
 
   Inputs in;
   in.q = vector_readable(q);
