@@ -7,6 +7,10 @@ another order, so it gets a floor relative to its size (FP32_SUM_FLOOR). Outputs
 NaN-poisoned memory so an element a kernel forgets to write fails the test.
 """
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from tests.ops.cuda_helpers import (DEV, assert_compiled_matches_eager, assert_k
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
+ROOT = Path(__file__).resolve().parents[2]
 
 NS = [1, 7, 63, 64, 65, 333, 4097]
 GRAD_FLOOR = 1e-5      # fp32 residue of G.v - c where the exact gradient is 0 (e.g. one visible key)
@@ -218,8 +223,8 @@ def test_float32(n):
 @pytest.mark.parametrize("n", [1, 63, 65, 1100, 4097])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_backward_gqa_padding(n, dtype):
-    """fp16/bf16 with S <= 64 (the tensor-core dq kernel's shapes when race_host.cuh turns it on; 1 to 5 groups
-    of 16 key chunks here), GQA, left padding with one row fully padded, causal and not."""
+    """fp16/bf16 with S <= 64 (the tensor-core dq kernel's shapes; 1 to 5 groups of 16 key chunks here), GQA,
+    left padding with one row fully padded, causal and not."""
     b, hq, hkv = (2, 2, 1) if n > 1000 else (2, 4, 2)
     q, k, v = make_inputs(b, hq, hkv, n, n, 64, dtype=dtype)
     mask = make_padding(b, n, left=True, seed=n).to(DEV)
@@ -228,6 +233,26 @@ def test_half_precision_backward_gqa_padding(n, dtype):
         _, (dq, _, _, _) = check_against_oracle(q, k, v, make_planes(4, 4, 64), per_head_beta(hq, 64), causal=causal,
                                                 mask=mask)
         assert torch.equal(dq[1], torch.zeros_like(dq[1]))
+
+
+CUDA_CORE_BACKWARD_RUN = """
+import torch
+from tests.ops.test_race_cuda import DEV, check_against_oracle, make_inputs, make_padding, make_planes, per_head_beta
+for dtype in (torch.float16, torch.bfloat16):
+    q, k, v = make_inputs(2, 4, 2, 1100, 1100, 64, dtype=dtype)
+    mask = make_padding(2, 1100, left=True, seed=3).to(DEV)
+    for causal in (False, True):
+        check_against_oracle(q, k, v, make_planes(4, 4, 64), per_head_beta(4, 64), causal=causal, mask=mask)
+"""
+
+
+def test_cuda_core_dq_selected_by_the_environment_meets_the_same_bounds():
+    """HFAB_RACE_TC_BACKWARD=0 (read once per process, hence a subprocess) sends fp16/bf16 with S <= 64 to the
+    CUDA-core dq kernel instead of the tensor-core one."""
+    env = {**os.environ, "HFAB_RACE_TC_BACKWARD": "0"}
+    proc = subprocess.run([sys.executable, "-c", CUDA_CORE_BACKWARD_RUN], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("num_planes, num_tables, d", [(1, 1, 64), (2, 3, 32), (3, 8, 128), (5, 2, 32), (6, 1, 128)])
