@@ -183,7 +183,6 @@ def smoke_recipe(out_dir, **train):
     recipe = load_recipe(SMOKE)
     recipe.output_dir = str(out_dir)
     recipe.train.save_every, recipe.train.keep_checkpoints = 2, 0
-    recipe.data.eval_batch_size = 3
     for key, value in train.items():
         setattr(recipe.train, key, value)
     return recipe
@@ -197,8 +196,13 @@ def comparable(rows):
 @pytest.mark.slow
 def test_checkpoint_resumes_to_the_identical_next_step(tmp_path):
     # one run: 3 transfer + 3 fine-tune steps, checkpoints at step 2 and 3 of each stage, calibration first
+    def recipe(out_dir):
+        r = smoke_recipe(out_dir, eval_every=2)  # an evaluation mid-transfer, on batches smaller than training's
+        r.data.eval_batch_size = 3
+        return r
+
     first = tmp_path / "first"
-    summary = run(smoke_recipe(first, eval_every=2))  # an evaluation mid-transfer, on smaller eval batches
+    summary = run(recipe(first))
     rows = read_csv(first / "log.csv")
     names = [p.name for p in list_checkpoints(first)]
     assert names == ["transfer-000002", "transfer-000003", "fine_tune-000002", "fine_tune-000003"]
@@ -207,7 +211,7 @@ def test_checkpoint_resumes_to_the_identical_next_step(tmp_path):
     for checkpoint in ("transfer-000002", "fine_tune-000002"):
         again = tmp_path / checkpoint
         shutil.copytree(first, again)
-        resumed = run(smoke_recipe(again, eval_every=2), resume=str(again / "checkpoints" / checkpoint))
+        resumed = run(recipe(again), resume=str(again / "checkpoints" / checkpoint))
         assert comparable(read_csv(again / "log.csv")) == comparable(rows), checkpoint
         assert resumed == summary
         assert torch.equal(torch.load(again / "probe.pt")["output"], torch.load(first / "probe.pt")["output"])
