@@ -15,6 +15,54 @@ import torch
 C = 64
 
 
+class Exact:
+    """The kernels' operand roundings as identities (checks indexing and the recurrences)."""
+
+    def f32(self, x):
+        return x
+
+    def t(self, x):  # an fp32 value rounded to the input dtype T (fp16 phi of the forward's scores)
+        return x
+
+    def split_t(self, x, scaled=True):  # two T halves (hi + lo) of an fp32 value, rows scaled by a power of 2 first
+        return x
+
+    def split_tf32(self, x):
+        return x
+
+
+class Rounded(Exact):
+    """Float64 with the kernels' casts: fp32 intermediates, T halves, tf32 halves (cvt.rna)."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def f32(self, x):
+        return x.float().double()
+
+    def t(self, x):
+        return x.float().to(self.dtype).double()
+
+    def split_t(self, x, scaled=True):
+        x = x.float().double()
+        mx = x.abs().amax(dim=-1, keepdim=True)
+        ex = torch.frexp(mx)[1] - 1  # row max * 2^-ex in [1, 2)
+        ex = torch.where((mx > 0) & scaled, ex.clamp(min=-126), torch.zeros_like(ex))
+        y = x * torch.pow(2.0, -ex.double())
+        hi = self.t(y)
+        return (hi + self.t(y - hi)) * torch.pow(2.0, ex.double())
+
+    @staticmethod
+    def tf32(x):
+        bits = x.float().view(torch.int32)
+        return ((bits + 0x1000) & ~0x1FFF).view(torch.float32).double()
+
+    def split_tf32(self, x):
+        x = x.float().double()
+        hi = self.tf32(x)
+        return hi + self.tf32(x - hi)
+
+
 def tables(x, planes, beta):
     """u (N, L*P) and phi (N, S) of rows x (N, D) in float64."""
     num_tables, num_planes, d = planes.shape
@@ -46,14 +94,18 @@ def dense(q, k, v, planes, beta_q, beta_k, mask, causal):
     return torch.stack(out)
 
 
-def emulate(q, k, v, dout, planes, beta, mask, causal, group=16):
-    """dk, dv, the k-side dbeta per q head, as the kernels compute them (float64)."""
+def emulate(q, k, v, dout, planes, beta, mask, causal, group=16, ops=Exact()):
+    """dk, dv, the k-side dbeta per q head, as the kernels compute them (float64 with `ops`' roundings; den and c,
+    the dq kernel's outputs, exact rounded to fp32)."""
     bsz, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     groups = hq // hkv
     num_tables, num_planes, _ = planes.shape
     lp, R = num_tables * num_planes, 2 ** num_planes
     W = planes.reshape(lp, d)
+    if isinstance(ops, Rounded):  # projections use W in two T halves (the forward's init_constants)
+        hi = ops.t(planes)
+        planes = hi + ops.t(planes - hi)
     # chunking as prepare() (race_host.cuh)
     s0 = kappa0 = 0
     if causal:
@@ -84,6 +136,7 @@ def emulate(q, k, v, dout, planes, beta, mask, causal, group=16):
                 o = torch.where(dn[:, None] > 0, a @ v[b, h // groups] / torch.where(dn > 0, dn, 1.0)[:, None], 0.0)
                 den[b, h] = dn
                 cq[b, h] = torch.where(dn > 0, (dout[b, h] * o).sum(-1) / torch.where(dn > 0, dn, 1.0), 0.0)
+        den, cq = ops.f32(den), ops.f32(cq)
 
     def query_tile(b, h, m):
         """phi(q), 1/den, c^ = c den, dO of tile m (rows >= Nq and dead rows: 1/den = 0)."""
@@ -94,10 +147,14 @@ def emulate(q, k, v, dout, planes, beta, mask, causal, group=16):
         _, ph = tables(x, planes, beta[h])
         dn = torch.where(ok, den[b, h, rr], 0.0)
         live = dn > 0
-        inv = torch.where(live, 1.0 / torch.where(live, dn, 1.0), 0.0)
-        chat = torch.where(live, cq[b, h, rr] * dn, 0.0)
+        inv = ops.f32(torch.where(live, 1.0 / torch.where(live, dn, 1.0), 0.0))
+        chat = ops.f32(torch.where(live, cq[b, h, rr] * dn, 0.0))
         do = torch.where(ok[:, None], dout[b, h, rr], 0.0)
         return ph, inv, chat, do
+
+    def tile_state(ph, inv, chat, do):
+        """phi~^T [dO, c^]: phi~ = phi / den and c^ in two tf32 halves, dO exact."""
+        return ops.split_tf32(ph * inv[:, None]).T @ torch.cat([do, ops.split_tf32(chat)[:, None]], 1)
 
     # step (2): group sums, then the reverse scan (slot g + 1: groups after g; slot 0: total)
     qstate = torch.zeros(bsz, hq, ng + 1, num_tables * R, d + 1, dtype=torch.float64)
@@ -110,13 +167,14 @@ def emulate(q, k, v, dout, planes, beta, mask, causal, group=16):
                     if m < 0:
                         continue
                     ph, inv, chat, do = query_tile(b, h, m)
-                    qstate[b, h, grp] += (ph * inv[:, None]).T @ torch.cat([do, chat[:, None]], 1)
+                    qstate[b, h, grp] += tile_state(ph, inv, chat, do)
+            qstate[b, h] = ops.f32(qstate[b, h])
             run = torch.zeros_like(qstate[b, h, 0])
             for top in range(ng - 1, -2, -1):
                 inp = qstate[b, h, top].clone() if top >= 0 else None
                 qstate[b, h, top + 1] = run
                 if inp is not None:
-                    run = run + inp
+                    run = ops.f32(run + inp)
     # step (3)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
@@ -141,15 +199,17 @@ def emulate(q, k, v, dout, planes, beta, mask, causal, group=16):
                         uk, phk = tables(xk, planes, beta[h])
                         phk = phk * okk[:, None]
                         B, y = st[:, :d], st[:, d]
-                        dvc = phk @ B
-                        dphi = vk @ B.T - y[None, :]
+                        Bt = ops.split_tf32(B)
+                        dvc = ops.split_tf32(phk) @ Bt
+                        dphi = vk @ Bt.T - y[None, :]
                         if intra:
                             phq, inv, chat, do = query_tile(b, h, m)
                             tri = torch.arange(C)[:, None] <= torch.arange(C)[None, :]  # key j <= query i
-                            sc = (phk @ phq.T) * tri
-                            dvc = dvc + (sc * inv[None, :]) @ do
-                            ds = torch.where(tri, (vk @ do.T - chat[None, :]) * inv[None, :], 0.0)
-                            dphi = dphi + ds @ phq
+                            sc = ops.f32((ops.t(phk) @ ops.t(phq).T) * tri)
+                            dvc = dvc + ops.split_t(sc * inv[None, :]) @ do
+                            ds = ops.f32(vk @ do.T)
+                            ds = torch.where(tri, ops.f32(ops.f32(ds - chat[None, :]) * inv[None, :]), 0.0)
+                            dphi = dphi + ops.split_t(ds) @ ops.split_t(phq, scaled=False)
                         gg = (dphi * phk).view(C, num_tables, R)
                         sp = torch.sigmoid(2 * beta[h] * uk).view(C, num_tables, num_planes)
                         sm = torch.sigmoid(-2 * beta[h] * uk).view(C, num_tables, num_planes)
@@ -165,7 +225,7 @@ def emulate(q, k, v, dout, planes, beta, mask, causal, group=16):
                         dv[b, hk, keys[sel]] += dvc[sel]
                         if intra and kappa > first:
                             ph, inv, chat, do = query_tile(b, h, m)
-                            st += (ph * inv[:, None]).T @ torch.cat([do, chat[:, None]], 1)
+                            st = ops.f32(st + tile_state(ph, inv, chat, do))
     return dk, dv, dbeta_k.sum(dim=(0, 2))
 
 
@@ -193,6 +253,56 @@ def check(bsz, hq, hkv, nq, nk, d, num_planes, num_tables, causal, padding, grou
     return errs
 
 
+def precision(dtype, nq, nk, d, num_planes, num_tables, causal, scale, beta_mult, seed=0):
+    """The kernels' roundings on dtype inputs vs the tests' rule (tests/ops/test_race_cuda.py): max error of dk, dv
+    against float64 over the error of the PyTorch reference (fp32 compute, rounded to dtype); the k-side dbeta error
+    over the tests' dbeta floor 1e-4 (1 + max|dbeta|)."""
+    import hf_attention_backends as hfab
+    from hf_attention_backends.ops.race import reference
+
+    hq, hkv = 2, 1
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(1, hq, nq, d, generator=g) * scale).to(dtype)
+    k = (torch.randn(1, hkv, nk, d, generator=g) * scale).to(dtype)
+    v = torch.randn(1, hkv, nk, d, generator=g).to(dtype)
+    dout = torch.randn(1, hq, nq, d, generator=g).to(dtype)
+    planes = hfab.make_planes(num_tables, num_planes, d, seed=num_planes).float()
+    beta = (torch.linspace(0.5, 1.5, hq) * d ** -0.5 * beta_mult).float()
+    q64, k64, v64, do64, pl64, b64 = (t.double() for t in (q, k, v, dout, planes, beta))
+    leaves = [t.clone().requires_grad_(True) for t in (k64, v64, b64, b64)]
+    out = dense(q64, leaves[0], leaves[1], pl64, leaves[3], leaves[2], None, causal)
+    dk64, dv64, dbk64, dbq64 = torch.autograd.grad(out, leaves, do64)
+    ref_leaves = [t.clone().requires_grad_(True) for t in (k, v)]
+    ref = reference.race_forward(q, *ref_leaves, planes, beta, None, causal)
+    dk_ref, dv_ref = torch.autograd.grad(ref, ref_leaves, dout)
+    dk, dv, dbk = emulate(q64, k64, v64, do64, pl64, b64, None, causal, ops=Rounded(dtype))
+    dk, dv = dk.to(dtype).double(), dv.to(dtype).double()
+
+    def ratio(got, want, base):
+        return float((got - want).abs().max()) / float((base.double() - want).abs().max())
+
+    floor = 1e-4 * (1.0 + float((dbk64 + dbq64).abs().max()))
+    return ratio(dk, dk64, dk_ref), ratio(dv, dv64, dv_ref), float((dbk - dbk64).abs().max()) / floor
+
+
+def main_precision():
+    torch.set_num_threads(1)
+    worst = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        for causal in (False, True):
+            for (num_planes, num_tables), scale, beta_mult in [((4, 4), 1.0, 1.0), ((4, 4), 0.05, 1.0),
+                                                                ((4, 4), 10.0, 1.0), ((4, 4), 3.0, 10.0),
+                                                                ((6, 1), 2.0, 1.0), ((3, 8), 2.0, 1.0),
+                                                                ((1, 1), 1.0, 1.0)]:
+                r = precision(dtype, 333, 333, 64, num_planes, num_tables, causal, scale, beta_mult)
+                print(f"{str(dtype)[6:]:8s} causal={causal!s:5s} P={num_planes} L={num_tables} x{scale:<5} "
+                      f"beta x{beta_mult:<4}: dk {r[0]:.2f}  dv {r[1]:.2f}  dbeta_k/floor {r[2]:.3f}")
+                key = str(dtype)[6:]
+                worst[key] = [max(a, b) for a, b in zip(worst.get(key, [0, 0, 0]), r)]
+    for key, r in worst.items():
+        print(f"worst {key}: dk {r[0]:.2f}, dv {r[1]:.2f} (tests allow 2 + floor), dbeta_k {r[2]:.3f} of the floor")
+
+
 def main():
     torch.set_num_threads(1)  # small matrices: threads only add overhead
     cases = []
@@ -217,4 +327,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main_precision() if "--precision" in sys.argv else main()
