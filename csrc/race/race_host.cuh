@@ -174,7 +174,8 @@ inline bool tc_forward_applies(const at::Tensor& q, const Params& p, const c10::
 // D = 32 / 64 / 128, within sm_80's and sm_90's limits; a GPU with less falls back to race_dq_bwd_kernel.
 // Its num/den products use fp32 features (phi(q), state and phi(k) split in two tf32 halves): with tf32
 // features its dbeta partials were 2.5x over the tests' bound (issue 6, csrc/race/NOTES.md).
-// HFAB_RACE_TC_BACKWARD=0 selects race_dq_bwd_kernel (CUDA cores) instead, for comparison and testing.
+// HFAB_RACE_TC_BACKWARD=0 selects the whole CUDA-core backward (race_dq_bwd_kernel, race_dkv_bwd_kernel) instead,
+// for comparison and testing.
 inline bool tensor_core_backward_enabled() {
   static const bool enabled = [] {
     const char* env = std::getenv("HFAB_RACE_TC_BACKWARD");
