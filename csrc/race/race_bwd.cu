@@ -28,6 +28,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> race_bwd_cuda(
   }
   Params p = in.p;
   const bool tensor_cores = tc_backward_applies(q, p, q.device());
+  const bool tc_keys = tensor_cores && tc_key_side_applies(q, p, q.device());
   at::Tensor dout_r = unit_last_stride(dout);
   if (tensor_cores) {  // the tensor-core kernels read q, k, v, dout with 16-byte vectors
     make_vector_readable(in, p);
@@ -49,8 +50,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> race_bwd_cuda(
   p.dv = dv.data_ptr();
   at::Tensor den = alloc({batch, p.hq, p.nq}, f32);
   at::Tensor cq = alloc({batch, p.hq, p.nq}, f32);
-  at::Tensor qstate = at::empty({batch, p.hq, p.nqt + 1, p.features, q.size(3)}, f32);
-  at::Tensor qz = at::empty({batch, p.hq, p.nqt + 1, p.features}, f32);
+  const int qslots = (tc_keys ? tc_query_groups(p) : p.nqt) + 1;
+  at::Tensor qstate = at::empty({batch, p.hq, qslots, p.features, q.size(3)}, f32);
+  at::Tensor qz = at::empty({batch, p.hq, qslots, p.features}, f32);
+  at::Tensor dkv_scratch;  // GQA on the tensor-core key side: dk, dv summed over a group's q heads in fp32
+  if (tc_keys && p.groups > 1) {
+    dkv_scratch = at::empty({2, batch, k.size(1), p.nk, q.size(3)}, f32);
+    p.dk_scratch = dkv_scratch[0].data_ptr<float>();
+    p.dv_scratch = dkv_scratch[1].data_ptr<float>();
+  }
   at::Tensor part_q = alloc({batch, p.hq, p.nqt}, f32);
   at::Tensor part_k = at::empty({batch, p.hq, p.nkc}, f32);
   at::Tensor dbeta_h = at::empty({p.hq}, f32);
@@ -63,10 +71,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> race_bwd_cuda(
   p.dbeta_k = part_k.data_ptr<float>();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   const int64_t hkv = k.size(1), d = q.size(3);
-  if (q.scalar_type() == at::kHalf) backward_kernels<__half>(kOp, p, batch, hkv, d, tensor_cores, q.device(), stream);
+  if (q.scalar_type() == at::kHalf)
+    backward_kernels<__half>(kOp, p, batch, hkv, d, tensor_cores, tc_keys, q.device(), stream);
   else if (q.scalar_type() == at::kBFloat16)
-    backward_kernels<__nv_bfloat16>(kOp, p, batch, hkv, d, tensor_cores, q.device(), stream);
-  else backward_kernels<float>(kOp, p, batch, hkv, d, false, q.device(), stream);
+    backward_kernels<__nv_bfloat16>(kOp, p, batch, hkv, d, tensor_cores, tc_keys, q.device(), stream);
+  else backward_kernels<float>(kOp, p, batch, hkv, d, false, false, q.device(), stream);
   race_dbeta_bwd_kernel<<<1, kThreads, 0, stream>>>(p.dbeta_q, p.dbeta_k, static_cast<int>(batch), p.hq, p.nqt,
                                                      p.nkc, dbeta_h.data_ptr<float>(), dbeta_total.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

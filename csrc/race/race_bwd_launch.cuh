@@ -8,7 +8,7 @@ namespace race {
 
 template <typename T>
 void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int64_t head_dim, bool tensor_cores,
-                      const c10::Device& device, cudaStream_t stream) {
+                      bool tc_keys, const c10::Device& device, cudaStream_t stream) {
   auto run = [&](auto dim) {
     constexpr int D = decltype(dim)::value;
     const auto f32 = at::TensorOptions().device(device).dtype(at::kFloat);
@@ -28,13 +28,26 @@ void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int
       key_states<T, D>(op, p, kstate, kz, f32, batch, device, stream);
       launch(op, race_dq_bwd_kernel<T, D>, dim3(p.nqt, hq, b), Layout::dq(p.lp, D), p, device, stream);
     }
-    launch(op, race_state_fwd_kernel<T, D, true>, dim3(p.nqt, hq, b), Layout::state(p.lp), p, device, stream);
     const int elems = p.features * D + p.features;
+    const unsigned kv = static_cast<unsigned>(hkv);
+    if constexpr (!std::is_same_v<T, float>) {
+      if (tc_keys) {  // group sums of phi~(q) [dO, c^], their suffix over groups, then dk, dv per key-chunk group
+        const int groups = tc_query_groups(p);
+        launch_bytes(op, tc::race_group_qstate_bwd_kernel<T, D>, dim3(groups, hq, b), tc::kThreads,
+                     tc::DkvTiles<T, D>::bytes, p, device, stream);
+        race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), hq, b), kThreads, 0, stream>>>(
+            p.qstate, p.qz, groups, p.features * D, p.features, p.hq, 1);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch_bytes(op, tc::race_group_dkv_bwd_kernel<T, D>, dim3(p.ngk, kv, b), tc::kThreads,
+                     tc::DkvTiles<T, D>::bytes, p, device, stream);
+        return;
+      }
+    }
+    launch(op, race_state_fwd_kernel<T, D, true>, dim3(p.nqt, hq, b), Layout::state(p.lp), p, device, stream);
     race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), hq, b), kThreads, 0, stream>>>(
         p.qstate, p.qz, p.nqt, p.features * D, p.features, p.hq, 1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    launch(op, race_dkv_bwd_kernel<T, D>, dim3(p.nkc, static_cast<unsigned>(hkv), b), Layout::dkv(p.lp, D), p,
-           device, stream);
+    launch(op, race_dkv_bwd_kernel<T, D>, dim3(p.nkc, kv, b), Layout::dkv(p.lp, D), p, device, stream);
   };  // kstate, kz live until the last kernel is queued; the caching allocator orders their reuse on `stream`
   dispatch_head_dim(head_dim, run);  // prepare() allowed only 32, 64, 128
 }

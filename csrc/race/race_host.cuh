@@ -174,7 +174,8 @@ inline bool tc_forward_applies(const at::Tensor& q, const Params& p, const c10::
 // D = 32 / 64 / 128, within sm_80's and sm_90's limits; a GPU with less falls back to race_dq_bwd_kernel.
 // Its num/den products use fp32 features (phi(q), state and phi(k) split in two tf32 halves): with tf32
 // features its dbeta partials were 2.5x over the tests' bound (issue 6, csrc/race/NOTES.md).
-// HFAB_RACE_TC_BACKWARD=0 selects race_dq_bwd_kernel (CUDA cores) instead, for comparison and testing.
+// HFAB_RACE_TC_BACKWARD=0 selects the whole CUDA-core backward (race_dq_bwd_kernel, race_dkv_bwd_kernel) instead,
+// for comparison and testing.
 inline bool tensor_core_backward_enabled() {
   static const bool enabled = [] {
     const char* env = std::getenv("HFAB_RACE_TC_BACKWARD");
@@ -187,6 +188,17 @@ inline bool tc_backward_applies(const at::Tensor& q, const Params& p, const c10:
   return tensor_core_backward_enabled() &&
          tc_applies(q, p, device, [](auto dim) { return tc::BwdTiles<__half, decltype(dim)::value>::bytes; });
 }
+
+// The tensor-core key side (race_group_qstate_bwd_kernel, race_group_dkv_bwd_kernel): with the tensor-core dq, when
+// the key-side blocks' shared memory (DkvTiles: 97.6 / 111.1 / 150.1 KB at D = 32 / 64 / 128: sm_80 and sm_90) fits;
+// otherwise the CUDA-core race_state_fwd_kernel<QUERY=true> + scan + race_dkv_bwd_kernel.
+inline bool tc_key_side_applies(const at::Tensor& q, const Params& p, const c10::Device& device) {
+  return tensor_core_backward_enabled() &&
+         tc_applies(q, p, device, [](auto dim) { return tc::DkvTiles<__half, decltype(dim)::value>::bytes; });
+}
+
+// Query-state groups of the tensor-core key side: the key-chunk groups (causal) or groups of kGroup query tiles.
+inline int tc_query_groups(const Params& p) { return div_up(p.causal ? p.nkc : p.nqt, tc::kGroup); }
 
 // Group states of the tensor-core kernels: per group of tc::kGroup key chunks sum phi(k) [v, 1]^T, then
 // their exclusive prefix (slot ngk: total). Sets p.ngk, p.ngq and p.kstate, p.kz. q, k, v must be 16-byte
@@ -240,10 +252,12 @@ void key_states(const char* op, Params& p, at::Tensor& kstate, at::Tensor& kz, c
 // The backward's launches for element type T (race_bwd_launch.cuh), compiled in one .cu file per T
 // (race_bwd_{f16,bf16,f32}.cu) so that the heavy kernels build in parallel. `p` holds every buffer
 // but the key states, which this allocates. tensor_cores (fp16/bf16 only; tc_backward_applies): dq on
-// race_group_dq_bwd_kernel, with q, k, v, dout vector readable and p pointing at them.
+// race_group_dq_bwd_kernel, with q, k, v, dout vector readable and p pointing at them; tc_keys (tc_key_side_applies,
+// implies tensor_cores): dk, dv on race_group_qstate_bwd_kernel + scan + race_group_dkv_bwd_kernel, with p.qstate,
+// p.qz sized for tc_query_groups(p) + 1 slots and, when p.groups > 1, p.dk_scratch, p.dv_scratch.
 template <typename T>
 void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int64_t head_dim, bool tensor_cores,
-                      const c10::Device& device, cudaStream_t stream);
+                      bool tc_keys, const c10::Device& device, cudaStream_t stream);
 
 }  // namespace race
 }  // namespace hfab

@@ -73,8 +73,9 @@ struct Params {
   int ngq;     // groups of tc::kGroup query tiles (non-causal)
   float* kstate;  // (B, Hq, nkc + 1, S, D) chunk states, then their exclusive prefix sums (slot nkc: total)
   float* kz;      // (B, Hq, nkc + 1, S)
-  float* qstate;  // backward: (B, Hq, nqt + 1, S, D), then suffix sums (slot m + 1: tiles after m)
-  float* qz;      // (B, Hq, nqt + 1, S)
+  float* qstate;  // backward: (B, Hq, nqt + 1, S, D), then suffix sums (slot m + 1: tiles after m); tensor-core
+                  // key side: (B, Hq, groups + 1, S, D) per group of query tiles (race_tc_bwd_kernels.cuh)
+  float* qz;      // (B, Hq, nqt + 1, S) or (B, Hq, groups + 1, S)
   float* den;     // backward: (B, Hq, Nq) row denominators
   float* cq;      // backward: (B, Hq, Nq) c_i = G_i . O_i
   void* out;      // forward: out; backward: dq      (B, Hq, Nq, D) contiguous
@@ -82,6 +83,8 @@ struct Params {
   void* dv;
   float* dbeta_q;  // (B, Hq, nqt) per-tile partials
   float* dbeta_k;  // (B, Hq, nkc)
+  float* dk_scratch;  // tensor-core key side with GQA: (B, Hkv, Nk, D) fp32 sums over the group's q heads
+  float* dv_scratch;
 };
 
 // Shared-memory carve-up (in floats) of each kernel, used by the host for the launch size too.

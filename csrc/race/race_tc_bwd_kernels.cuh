@@ -1,4 +1,6 @@
-// RACE backward on tensor cores (mma.sync, sm_80+) for fp16/bf16 inputs and S = L * 2^P <= 64: the dq side.
+// RACE backward on tensor cores (mma.sync, sm_80+) for fp16/bf16 inputs and S = L * 2^P <= 64.
+//
+// dq side:
 //
 // race_group_dq_bwd_kernel walks the key chunks of one group (causal; non-causal: the query tiles of one
 // group) in order, as race_group_out_fwd_kernel does, with the group's prefix state [A, z] (from
@@ -14,8 +16,13 @@
 // phi(k) in two T halves (the forward's pkt). c^ z in fp32 on CUDA cores. num and den (so c^, den, c) from
 // fp32 phi(q), the state and phi(k) in two tf32 halves: with the forward's fp16 phi and tf32 state, c^ missed the
 // exact cancellation sum_j a_ij (G_i . v_j - c_i) = 0 by ~1e-4 relative, and dbeta (both sides) with it. No atomics.
-// The key side (dk, dv) stays on the CUDA-core race_dkv_bwd_kernel (race_kernels.cuh), which reads the
-// den and c written here.
+//
+// Key side (dk, dv, the k-side dbeta; section "Key side" below, reads den and c written by the dq side):
+//   race_group_qstate_bwd_kernel  per (group, q head): sum phi(q) / den [dO, c den]^T over the group's query tiles
+//   race_scan_fwd_kernel          reverse: slot grp + 1 = the groups after grp (race_kernels.cuh)
+//   race_group_dkv_bwd_kernel     per (key-chunk group, kv head): q heads in order, chunks in reverse order: dv,
+//                                 dphi(k), dk, dbeta partial; then state += the chunk's query tile
+// Where tc_key_side_applies is false (shared memory) the CUDA-core race_dkv_bwd_kernel path takes dk, dv.
 #pragma once
 
 #include "race/race_tc_kernels.cuh"
@@ -70,6 +77,160 @@ __device__ __forceinline__ void tf32_split(float x, uint32_t& hi, uint32_t& lo) 
   lo = mma::to_tf32(x - __uint_as_float(hi));
 }
 
+// acc += a b with both operands in two tf32 halves: hi hi + hi lo + lo hi (fp32-accurate products).
+__device__ __forceinline__ void mma_tf32x3(float (&acc)[4], const uint32_t (&ahi)[4], const uint32_t (&alo)[4],
+                                           const uint32_t (&bhi)[2], const uint32_t (&blo)[2]) {
+  mma::m16n8k8_tf32(acc, ahi, bhi);
+  mma::m16n8k8_tf32(acc, ahi, blo);
+  mma::m16n8k8_tf32(acc, alo, bhi);
+}
+
+// tf32 B fragment (two halves) of the fp32 state tile st [feature][D + 8]: k = features 8 kk.., n = columns 8 n..
+__device__ __forceinline__ void state_frag(const float* st, int kX, int kk, int n, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const float* col = st + (kk * 8 + t) * kX + n * 8 + g;
+  tf32_split(col[0], hi[0], lo[0]);
+  tf32_split(col[4 * kX], hi[1], lo[1]);
+}
+
+// tf32 A fragment (two halves) of phi(row) * scale[row] (fp32 from the sigma tables) for k-step kk. ROWS_M: m = rows
+// m0.., k = features 8 kk..; else m = features m0.., k = rows 8 kk... 0 for features >= S, rows with ok = 0.
+template <bool ROWS_M>
+__device__ __forceinline__ void phi_frag(const Params& p, const float* sp, const float* sm, const int* ok,
+                                         const float* scale, int m0, int kk, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // A register r: m g + 8 (r % 2), k t + 4 (r / 2)
+    const int mi = m0 + g + 8 * (r % 2), ki = kk * 8 + t + 4 * (r / 2);
+    const int row = ROWS_M ? mi : ki, f = ROWS_M ? ki : mi;
+    float val = 0.f;
+    if (f < p.features && (ok == nullptr || ok[row]))
+      val = phi_at(p, sp, sm, row, f) * (scale == nullptr ? 1.f : scale[row]);
+    tf32_split(val, hi[r], lo[r]);
+  }
+}
+
+// acc[n] += rows x st^T over D for the feature n-tiles n < nf: the warp's 16 rows of a T tile [64][D + 8] (exact in
+// tf32) times the state tile st [feature][D + 8] in two tf32 halves (dq: dO A^T; key side: v B^T).
+template <typename T, int D>
+__device__ __forceinline__ void rows_times_state(const T* rows, const float* st, int nf, float (&acc)[kS / 8][4]) {
+  constexpr int kX = D + 8;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+#pragma unroll
+  for (int kk = 0; kk < D / 8; ++kk) {
+    const T* base = rows + (r0 + g) * kX + kk * 8 + t;
+    const uint32_t a[4] = {__float_as_uint(to_float(base[0])), __float_as_uint(to_float(base[8 * kX])),
+                           __float_as_uint(to_float(base[4])), __float_as_uint(to_float(base[8 * kX + 4]))};
+#pragma unroll
+    for (int n = 0; n < kS / 8; ++n) {
+      if (n >= nf) continue;
+      const float* row = st + (n * 8 + g) * kX + kk * 8 + t;
+      uint32_t hi[2], lo[2];
+      tf32_split(row[0], hi[0], lo[0]);
+      tf32_split(row[4], hi[1], lo[1]);
+      mma::m16n8k8_tf32(acc[n], a, hi);
+      mma::m16n8k8_tf32(acc[n], a, lo);
+    }
+  }
+}
+
+// acc[n] += a b^T over D on T operands (exact products, fp32 sums): the warp's 16 rows of a (T tile [64][D + 8])
+// times rows [8n, 8n + 8) of b, a T tile [64][D + 8] or, B_T, its transpose [D][kT] (dq: dO v^T; key side: v dO^T).
+template <typename T, int D, bool B_T = false>
+__device__ __forceinline__ void rows_dot(const T* a, const T* b, float (&acc)[kC / 8][4]) {
+  constexpr int kX = D + 8;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+#pragma unroll
+  for (int k0 = 0; k0 < D; k0 += 16) {
+    const T* base = a + (r0 + g) * kX + k0 + 2 * t;
+    const uint32_t ar[4] = {mma::ld32(base), mma::ld32(base + 8 * kX), mma::ld32(base + 8), mma::ld32(base + 8 * kX + 8)};
+#pragma unroll
+    for (int n = 0; n < kC / 8; ++n) {
+      uint32_t br[2];
+      if (B_T) {  // B register e: k = k0 + 2t + 8e and the next, n = 8n + g
+        const T* col = b + (k0 + 2 * t) * kT + n * 8 + g;
+        br[0] = mma::pack2<T>(to_float(col[0]), to_float(col[kT]));
+        br[1] = mma::pack2<T>(to_float(col[8 * kT]), to_float(col[9 * kT]));
+      } else {
+        const T* brow = b + (n * 8 + g) * kX + k0 + 2 * t;
+        br[0] = mma::ld32(brow);
+        br[1] = mma::ld32(brow + 8);
+      }
+      mma::m16n8k16(acc[n], ar, br, T{});
+    }
+  }
+}
+
+// acc[n] (0 on entry) = x b for the n-tiles n < ncount. x: the warp's 16 rows x 64 columns in the C layout, scaled
+// per row by a power of two (row max in [1, 2), exact, undone at the end: a tiny row keeps its bits in fp16) and
+// split in two T halves, reused as A registers; b: a 16-bit tile [8 n + .][kT] (k = x's columns), either exact in T
+// (b_lo null: hi b + lo b) or itself two halves b + b_lo (hi b + hi b_lo + lo b).
+template <typename T, int NN>
+__device__ __forceinline__ void split_product(const float (&x)[kC / 8][4], const T* b, const T* b_lo, int ncount,
+                                              float (&acc)[NN][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  float mx[2] = {0.f, 0.f};
+#pragma unroll
+  for (int n = 0; n < kC / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], fabsf(x[n][e]));
+  float scale[2], unscale[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+    mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+    const int ex = mx[half] > 0.f ? max(ilogbf(mx[half]), -126) : 0;  // row max * 2^-ex in [1, 2)
+    scale[half] = ldexpf(1.f, -ex);
+    unscale[half] = ldexpf(1.f, ex);
+  }
+#pragma unroll
+  for (int kk = 0; kk < kC / 16; ++kk) {
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // A register r: n-tile 2kk + r / 2, elements 2 (r % 2) + {0, 1} (row half r % 2)
+      const float x0 = x[2 * kk + r / 2][2 * (r % 2)] * scale[r % 2];
+      const float x1 = x[2 * kk + r / 2][2 * (r % 2) + 1] * scale[r % 2];
+      T h0, l0, h1, l1;
+      mma::split<T>(x0, h0, l0);
+      mma::split<T>(x1, h1, l1);
+      hi[r] = mma::pack2<T>(to_float(h0), to_float(h1));
+      lo[r] = mma::pack2<T>(to_float(l0), to_float(l1));
+    }
+#pragma unroll
+    for (int n = 0; n < NN; ++n) {
+      if (n >= ncount) continue;
+      const T* brow = b + (n * 8 + g) * kT + kk * 16 + 2 * t;
+      const uint32_t bhi[2] = {mma::ld32(brow), mma::ld32(brow + 8)};
+      mma::m16n8k16(acc[n], hi, bhi, T{});
+      if (b_lo != nullptr) {
+        const T* lrow = b_lo + (n * 8 + g) * kT + kk * 16 + 2 * t;
+        const uint32_t blo[2] = {mma::ld32(lrow), mma::ld32(lrow + 8)};
+        mma::m16n8k16(acc[n], hi, blo, T{});
+      }
+      mma::m16n8k16(acc[n], lo, bhi, T{});
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < NN; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] *= unscale[e / 2];
+}
+
+// w[r][lt] = sigma- sum_{bit set} g - sigma+ sum_{bit clear} g per (row, table, plane); g: fp32 [64][kS + 1].
+__device__ __forceinline__ void table_w(const Params& p, const float* g, const float* sp, const float* sm, float* w) {
+  const int P = p.planes_per_table, R = 1 << P;
+  for (int e = threadIdx.x; e < kC * p.lp; e += kThreads) {
+    const int r = e / p.lp, lt = e % p.lp, l = lt / P, tt = lt % P;
+    float set = 0.f, clear = 0.f;
+    for (int bucket = 0; bucket < R; ++bucket) {
+      const float gv = g[r * (kS + 1) + l * R + bucket];
+      if ((bucket >> (P - 1 - tt)) & 1) set += gv;
+      else clear += gv;
+    }
+    w[r * p.lp + lt] = sm[r * kLPMax + lt] * set - sp[r * kLPMax + lt] * clear;
+  }
+}
+
 // [num, den] of one query tile as tile_num computes them, with fp32-accurate products: phi(q) in fp32 from the
 // sigma tables, the state and (when `intra`) phi(k) = pkt hi + lo, each in two tf32 halves (hi hi + hi lo +
 // lo hi), then the masked scores in two T halves times [v, 1] as in tile_num. c^ = dO . num / den must match
@@ -86,21 +247,13 @@ __device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>
 #pragma unroll
   for (int kk = 0; kk < kS / 8; ++kk) {
     if (kk >= nf) continue;
-    uint32_t qhi[4], qlo[4];  // A register r: row g + 8 (r % 2), feature kk * 8 + t + 4 (r / 2)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = r0 + g + 8 * (r % 2), f = kk * 8 + t + 4 * (r / 2);
-      tf32_split(f < p.features && s.okq[row] ? phi_at(p, s.sp, s.sm, row, f) : 0.f, qhi[r], qlo[r]);
-    }
+    uint32_t qhi[4], qlo[4];
+    phi_frag<true>(p, s.sp, s.sm, s.okq, nullptr, r0, kk, qhi, qlo);
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
-      const float* col = s.st + (kk * 8 + t) * kX + n * 8 + g;
       uint32_t bhi[2], blo[2];
-      tf32_split(col[0], bhi[0], blo[0]);
-      tf32_split(col[4 * kX], bhi[1], blo[1]);
-      mma::m16n8k8_tf32(acc[n], qhi, bhi);
-      mma::m16n8k8_tf32(acc[n], qhi, blo);
-      mma::m16n8k8_tf32(acc[n], qlo, bhi);
+      state_frag(s.st, kX, kk, n, bhi, blo);
+      mma_tf32x3(acc[n], qhi, qlo, bhi, blo);
     }
     if (!intra) continue;
 #pragma unroll
@@ -109,9 +262,7 @@ __device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>
       uint32_t bhi[2], blo[2];
       tf32_split(to_float(k0[0]) + to_float(k0[kS * kT]), bhi[0], blo[0]);
       tf32_split(to_float(k0[4 * kT]) + to_float(k0[(kS + 4) * kT]), bhi[1], blo[1]);
-      mma::m16n8k8_tf32(sc[n], qhi, bhi);
-      mma::m16n8k8_tf32(sc[n], qhi, blo);
-      mma::m16n8k8_tf32(sc[n], qlo, bhi);
+      mma_tf32x3(sc[n], qhi, qlo, bhi, blo);
     }
   }
   if (!intra) return;
@@ -184,81 +335,17 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
   float dphi[kS / 8][4] = {};
   if (intra) {
     float ds[kC / 8][4] = {};  // dO v^T: rows of the warp x the chunk's 64 keys
-#pragma unroll
-    for (int k0 = 0; k0 < D; k0 += 16) {
-      const T* base = bt.dO + (r0 + g) * kX + k0 + 2 * t;
-      const uint32_t a[4] = {mma::ld32(base), mma::ld32(base + 8 * kX), mma::ld32(base + 8), mma::ld32(base + 8 * kX + 8)};
-#pragma unroll
-      for (int n = 0; n < kC / 8; ++n) {
-        const T* vrow = s.x + (n * 8 + g) * kX + k0 + 2 * t;
-        const uint32_t b[2] = {mma::ld32(vrow), mma::ld32(vrow + 8)};
-        mma::m16n8k16(ds[n], a, b, T{});
-      }
-    }
-    float mx[2] = {0.f, 0.f};
+    rows_dot<T, D>(bt.dO, s.x, ds);
 #pragma unroll
     for (int n = 0; n < kC / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int half = e / 2, i = r0 + g + 8 * half, j = n * 8 + 2 * t + (e & 1);
         ds[n][e] = j <= i && s.okk[j] ? ds[n][e] - chat[half] : 0.f;  // tile m and chunk kappa0 + m share the diagonal
-        mx[half] = fmaxf(mx[half], fabsf(ds[n][e]));
       }
-    float scale[2], unscale[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
-      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
-      const int ex = mx[half] > 0.f ? max(ilogbf(mx[half]), -126) : 0;  // row max * 2^-ex in [1, 2)
-      scale[half] = ldexpf(1.f, -ex);
-      unscale[half] = ldexpf(1.f, ex);
-    }
-#pragma unroll
-    for (int kk = 0; kk < kC / 16; ++kk) {
-      uint32_t hi[4], lo[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {  // A register r: n-tile 2kk + r / 2, elements 2 (r % 2) + {0, 1} (row half r % 2)
-        const float x0 = ds[2 * kk + r / 2][2 * (r % 2)] * scale[r % 2];
-        const float x1 = ds[2 * kk + r / 2][2 * (r % 2) + 1] * scale[r % 2];
-        T h0, l0, h1, l1;
-        mma::split<T>(x0, h0, l0);
-        mma::split<T>(x1, h1, l1);
-        hi[r] = mma::pack2<T>(to_float(h0), to_float(h1));
-        lo[r] = mma::pack2<T>(to_float(l0), to_float(l1));
-      }
-#pragma unroll
-      for (int n = 0; n < kS / 8; ++n) {
-        if (n >= nf) continue;
-        const T* khi = s.pkt + (n * 8 + g) * kT + kk * 16 + 2 * t;
-        const T* klo = khi + kS * kT;
-        const uint32_t bhi[2] = {mma::ld32(khi), mma::ld32(khi + 8)};
-        const uint32_t blo[2] = {mma::ld32(klo), mma::ld32(klo + 8)};
-        mma::m16n8k16(dphi[n], hi, bhi, T{});
-        mma::m16n8k16(dphi[n], hi, blo, T{});
-        mma::m16n8k16(dphi[n], lo, bhi, T{});
-      }
-    }
-#pragma unroll
-    for (int n = 0; n < kS / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dphi[n][e] *= unscale[e / 2];
+    split_product<T, kS / 8>(ds, s.pkt, s.pkt + kS * kT, nf, dphi);  // phi(k) in T halves
   }
-#pragma unroll
-  for (int kk = 0; kk < D / 8; ++kk) {  // dO A^T: dO exact in tf32, A in two tf32 halves
-    const T* base = bt.dO + (r0 + g) * kX + kk * 8 + t;
-    const uint32_t a[4] = {__float_as_uint(to_float(base[0])), __float_as_uint(to_float(base[8 * kX])),
-                           __float_as_uint(to_float(base[4])), __float_as_uint(to_float(base[8 * kX + 4]))};
-#pragma unroll
-    for (int n = 0; n < kS / 8; ++n) {
-      if (n >= nf) continue;
-      const float* row = s.st + (n * 8 + g) * kX + kk * 8 + t;
-      const uint32_t hi[2] = {mma::to_tf32(row[0]), mma::to_tf32(row[4])};
-      const uint32_t lo[2] = {mma::to_tf32(row[0] - __uint_as_float(hi[0])),
-                              mma::to_tf32(row[4] - __uint_as_float(hi[1]))};
-      mma::m16n8k8_tf32(dphi[n], a, hi);
-      mma::m16n8k8_tf32(dphi[n], a, lo);
-    }
-  }
+  rows_times_state<T, D>(bt.dO, s.st, nf, dphi);  // dO A^T: dO exact in tf32, A in two tf32 halves
   __syncthreads();  // every warp is done with phq, phk (the g tile's storage)
 #pragma unroll
   for (int n = 0; n < kS / 8; ++n)
@@ -271,19 +358,7 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
       bt.g[r * kG + f] = val;
     }
   __syncthreads();
-  {  // w = sigma- sum_{bit set} g - sigma+ sum_{bit clear} g per (row, table, plane)
-    const int P = p.planes_per_table, R = 1 << P;
-    for (int e = threadIdx.x; e < kC * p.lp; e += kThreads) {
-      const int r = e / p.lp, lt = e % p.lp, l = lt / P, tt = lt % P;
-      float set = 0.f, clear = 0.f;
-      for (int bucket = 0; bucket < R; ++bucket) {
-        const float gv = bt.g[r * kG + l * R + bucket];
-        if ((bucket >> (P - 1 - tt)) & 1) set += gv;
-        else clear += gv;
-      }
-      bt.w[r * p.lp + lt] = s.sm[r * kLPMax + lt] * set - s.sp[r * kLPMax + lt] * clear;
-    }
-  }
+  table_w(p, bt.g, s.sp, s.sm, bt.w);
   __syncthreads();
   T* dq = static_cast<T*>(p.out) + hd.bh * p.nq * D;
   for (int r = warp; r < kC; r += kThreads / 32) {
@@ -337,6 +412,297 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dq_bwd_kernel(const Pa
     if (kappa + 1 == end) break;
     __syncthreads();  // every warp has read the state
     advance_state<T, D>(s);
+  }
+}
+
+// ---- Key side (dk, dv, the k-side dbeta): race_group_qstate_bwd_kernel, the reverse group scan, race_group_dkv_bwd_kernel.
+// Query-tile groups follow the key-chunk groups (causal: tile m = kappa - kappa0 of the group's chunks; non-causal:
+// kGroup tiles), so the dkv block of key-chunk group grp starts from the suffix slot grp + 1 (non-causal: 0, the total).
+// State [B, y] = sum_i phi~(q_i) [dO_i, c^_i]^T with phi~ = phi(q) / den, c^ = c den (= c_i phi(q_i) in column D).
+
+// The key-side kernels' shared memory: the forward's Tiles (s.sp / s.sm: the query tile's sigma tables, s.vt: its
+// dO^T, s.pkt: its phi(q) in T halves, s.x: the keys' v), then the keys' u and sigma tables, w (in x where it fits,
+// D >= 64), 1/den, c^ and dbeta terms per row; the g tile (fp32 [64][65]) reuses phq + phk. dO is read from s.vt
+// only: 97.6 / 111.1 / 150.1 KB at D = 32 / 64 / 128, two blocks per SM on sm_90 up to D = 64.
+template <typename T, int D>
+struct DkvTiles {
+  using Fwd = Tiles<T, D>;
+  static constexpr int kG = kS + 1;  // row stride (floats) of the g tile
+  static constexpr int table_bytes = kC * kLPMax * 4;
+  static constexpr bool w_in_x = Fwd::x_bytes >= table_bytes;
+  static constexpr int u_off = Fwd::bytes;                   // fp32 u [64][L * P] of the keys
+  static constexpr int spk_off = u_off + table_bytes;        // fp32 sigma+, sigma- [64][kLPMax] of the keys
+  static constexpr int wt_off = spk_off + 2 * table_bytes;   // fp32 w [64][L * P] (unless in x)
+  static constexpr int row_off = wt_off + (w_in_x ? 0 : table_bytes);
+  static constexpr int bytes = row_off + 3 * kC * 4;         // c^, 1 / den, dbeta terms per row
+  static_assert(Fwd::phq_off + kC * kG * 4 <= Fwd::pkt_off, "the g tile fits phq + phk");
+  static_assert(u_off % 16 == 0 && spk_off % 16 == 0 && wt_off % 16 == 0, "16-byte aligned tables");
+
+  float *u, *spk, *smk, *w, *g, *chat, *inv, *rowpart;
+
+  __device__ explicit DkvTiles(char* base)
+      : u(reinterpret_cast<float*>(base + u_off)),
+        spk(reinterpret_cast<float*>(base + spk_off)),
+        smk(spk + kC * kLPMax),
+        w(reinterpret_cast<float*>(base + (w_in_x ? 0 : wt_off))),
+        g(reinterpret_cast<float*>(base + Fwd::phq_off)),
+        chat(reinterpret_cast<float*>(base + row_off)),
+        inv(chat + kC),
+        rowpart(inv + kC) {}
+};
+
+// 1/den (0 for rows past Nq or without a key) and c^ = c den of query tile m's rows into kt.inv, kt.chat.
+template <typename T, int D>
+__device__ __forceinline__ void query_rows(const Params& p, long long bh, int m, DkvTiles<T, D>& kt) {
+  if (threadIdx.x >= kC) return;
+  const int i = m * kC + threadIdx.x;
+  const float dn = i < p.nq ? p.den[bh * p.nq + i] : 0.f;
+  kt.inv[threadIdx.x] = dn > 0.f ? 1.f / dn : 0.f;
+  kt.chat[threadIdx.x] = dn > 0.f ? p.cq[bh * p.nq + i] * dn : 0.f;
+}
+
+// acc[n] += sum_i phi~(q_i) [dO_i, c^_i]^T over one query tile, for the warp's 16 features (rows of acc) and the
+// n-tiles of columns [0, D + 8): phi~ from the sigma tables in fp32, times 1/den, in two tf32 halves; dO (from
+// dO^T in s.vt) exact in tf32; c^ in two tf32 halves in columns D (hi) and D + 1 (lo): y's term is their sum.
+template <typename T, int D>
+__device__ __forceinline__ void query_state_delta(const Params& p, const Tiles<T, D>& s, const DkvTiles<T, D>& kt,
+                                                  float (&acc)[D / 8 + 1][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
+  if (f0 >= p.features) return;
+#pragma unroll
+  for (int kk = 0; kk < kC / 8; ++kk) {
+    uint32_t ahi[4], alo[4];
+    phi_frag<false>(p, s.sp, s.sm, nullptr, kt.inv, f0, kk, ahi, alo);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {  // B register e: query kk * 8 + t + 4 e, column n * 8 + g
+      const T* row = s.vt + (n * 8 + g) * kT + kk * 8 + t;
+      const uint32_t b[2] = {__float_as_uint(to_float(row[0])), __float_as_uint(to_float(row[4]))};
+      mma::m16n8k8_tf32(acc[n], ahi, b);
+      mma::m16n8k8_tf32(acc[n], alo, b);
+    }
+    uint32_t chi[2], clo[2];
+    tf32_split(kt.chat[kk * 8 + t], chi[0], clo[0]);
+    tf32_split(kt.chat[kk * 8 + t + 4], chi[1], clo[1]);
+    const uint32_t b[2] = {g == 0 ? chi[0] : g == 1 ? clo[0] : 0u, g == 0 ? chi[1] : g == 1 ? clo[1] : 0u};
+    mma::m16n8k8_tf32(acc[D / 8], ahi, b);
+    mma::m16n8k8_tf32(acc[D / 8], alo, b);
+  }
+}
+
+// Query tile m for the key side: the forward's query_tile (flags, q's sigma tables in s.sp / s.sm, fp16 phi(q)
+// into phq), 1/den and c^, dO^T into s.vt; with `intra` also phi(q) in T halves into pkt. Ends with a barrier.
+template <typename T, int D>
+__device__ void key_side_query_tile(const Params& p, const Heads<T>& hd, const T* dout, int m, bool intra,
+                                    Tiles<T, D>& s, DkvTiles<T, D>& kt) {
+  query_tile<T, D>(p, hd, m, s);
+  query_rows<T, D>(p, hd.bh, m, kt);
+  load_vt<T, D>(dout, p.sdo.n, m * kC, s.okq, s.vt);
+  if (intra) features<T>(p, s.okq, s.sp, s.sm, nullptr, s.pkt);
+  __syncthreads();
+}
+
+// Key chunk kappa for the key side: flags, k's sigma tables and u (kt.spk, kt.smk, kt.u), then v row-major into
+// s.x and, with `intra`, fp16 phi(k) into phk. Ends with a barrier.
+template <typename T, int D>
+__device__ void key_side_chunk(const Params& p, const Heads<T>& hd, int b, int kappa, bool intra, Tiles<T, D>& s,
+                               DkvTiles<T, D>& kt) {
+  const int key0 = p.s0 + kappa * kC;
+  __syncthreads();
+  if (threadIdx.x < kC) s.okk[threadIdx.x] = key_ok(p, b, key0 + threadIdx.x);
+  __syncthreads();
+  load_rows<T, D>(hd.k, p.sk.n, key0, s.okk, s.x);
+  __syncthreads();
+  project<T, D>(p, s.x, s.w, hd.beta, kt.spk, kt.smk, kt.u);
+  __syncthreads();
+  load_rows<T, D>(hd.v, p.sv.n, key0, s.okk, s.x);
+  if (intra) features<T>(p, s.okk, kt.spk, kt.smk, s.phk, nullptr);
+  __syncthreads();
+}
+
+// Head g's term x of element idx of dk or dv: summed over the GQA group's q heads in order in an fp32 scratch that
+// only this block touches, rounded to T after the last head (a group of one head writes T directly).
+template <typename T>
+__device__ __forceinline__ void add_head(const Params& p, int g, float* scratch, T* out, long long idx, float x) {
+  if (g > 0) x += scratch[idx];
+  if (g + 1 == p.groups) out[idx] = from_float<T>(x);
+  else scratch[idx] = x;
+}
+
+// dv, dk and the dbeta partial of key chunk kappa for q head g of the group (with `intra`, chunk kappa holds the
+// diagonal of query tile m = kappa - kappa0, loaded by key_side_query_tile). st holds [B, y] of the query tiles
+// after m (non-causal: all). With j the chunk's keys, i the tile's queries (j <= i: the shared diagonal):
+//   dv_j      = phi(k_j) B + sum_i (a_ji / den_i) dO_i
+//   dphi(k_j) = v_j B^T - y + sum_i ((v_j . dO_i - c^_i) / den_i) phi(q_i)
+//   g = dphi * phi(k) (fp32 phi), w per table and plane, dk = sum_lt 2 beta w (1 - u^2) W_lt, dbeta partial.
+// Operand precision: phi(k) B with both in two tf32 halves; the scores a = phi(k) phi(q)^T with the forward's fp16
+// features (they feed dv only), a / den in T halves (row-scaled) times dO exact; v B^T with v exact and B in two
+// tf32 halves; y in fp32 on CUDA cores; v dO^T exact in T; (v . dO - c^) / den in T halves (row-scaled) times phi(q)
+// in T halves: every product that feeds dphi(k), hence dbeta, is fp32-accurate.
+template <typename T, int D>
+__device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_head, bool intra,
+                          Tiles<T, D>& s, DkvTiles<T, D>& kt) {
+  constexpr int kX = D + 8;
+  constexpr int kG = DkvTiles<T, D>::kG;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, warp = threadIdx.x / 32, r0 = warp * 16;
+  const int nf = (p.features + 7) / 8;  // feature tiles that are not all zero
+  const int key0 = p.s0 + kappa * kC;
+  const long long row0 = hd.bh / p.groups * p.nk * D;  // (b, kv head) of dk, dv: (b Hq + h) / groups
+  {
+    float dv[D / 8][4] = {};
+    if (intra) {
+      float sc[kC / 8][4] = {};  // a_ji: the warp's keys x the tile's queries
+      scores(s.phk, s.phq, sc);
+#pragma unroll
+      for (int n = 0; n < kC / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = r0 + g + 8 * (e / 2), i = n * 8 + 2 * t + (e & 1);
+          sc[n][e] = j <= i ? sc[n][e] * kt.inv[i] : 0.f;
+        }
+      split_product<T, D / 8>(sc, s.vt, static_cast<const T*>(nullptr), D / 8, dv);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kS / 8; ++kk) {
+      if (kk >= nf) continue;
+      uint32_t khi[4], klo[4];
+      phi_frag<true>(p, kt.spk, kt.smk, s.okk, nullptr, r0, kk, khi, klo);
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        uint32_t bhi[2], blo[2];
+        state_frag(s.st, kX, kk, n, bhi, blo);
+        mma_tf32x3(dv[n], khi, klo, bhi, blo);
+      }
+    }
+    T* out = static_cast<T*>(p.dv);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int j = key0 + r0 + g + 8 * half;
+      if (j < 0 || j >= p.nk) continue;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        const long long idx = row0 + (long long)j * D + n * 8 + 2 * t;
+        add_head<T>(p, g_head, p.dv_scratch, out, idx, dv[n][2 * half]);
+        add_head<T>(p, g_head, p.dv_scratch, out, idx + 1, dv[n][2 * half + 1]);
+      }
+    }
+  }
+  float dphi[kS / 8][4] = {};
+  if (intra) {
+    float ds[kC / 8][4] = {};  // v dO^T: the warp's keys x the tile's queries
+    rows_dot<T, D, true>(s.x, s.vt, ds);
+#pragma unroll
+    for (int n = 0; n < kC / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = r0 + g + 8 * (e / 2), i = n * 8 + 2 * t + (e & 1);
+        ds[n][e] = j <= i ? (ds[n][e] - kt.chat[i]) * kt.inv[i] : 0.f;
+      }
+    split_product<T, kS / 8>(ds, s.pkt, s.pkt + kS * kT, nf, dphi);
+  }
+  rows_times_state<T, D>(s.x, s.st, nf, dphi);
+  __syncthreads();  // every warp is done with phq, phk (the g tile's storage) and with v in x (w's storage)
+#pragma unroll
+  for (int n = 0; n < kS / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = r0 + g + 8 * (e / 2), f = n * 8 + 2 * t + (e & 1);
+      float val = 0.f;
+      if (f < p.features && s.okk[j]) val = (dphi[n][e] - s.st[f * kX + D]) * phi_at(p, kt.spk, kt.smk, j, f);
+      kt.g[j * kG + f] = val;
+    }
+  __syncthreads();
+  table_w(p, kt.g, kt.spk, kt.smk, kt.w);
+  __syncthreads();
+  T* dk = static_cast<T*>(p.dk);
+  for (int r = warp; r < kC; r += kThreads / 32) {
+    const int j = key0 + r;
+    float dx[D / 32] = {};
+    const float db = chain_row<D>(p, r, hd.beta, kt.u, kt.w, dx);
+    if (j >= 0 && j < p.nk) {
+#pragma unroll
+      for (int c = 0; c < D / 32; ++c) add_head<T>(p, g_head, p.dk_scratch, dk, row0 + (long long)j * D + lane + 32 * c, dx[c]);
+    }
+    if (lane == 0) kt.rowpart[r] = s.okk[r] ? db : 0.f;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) p.dbeta_k[hd.bh * p.nkc + kappa] = ordered_sum64(kt.rowpart);
+}
+
+// Step (2): per (group, q head, batch), sum_i phi~(q_i) [dO_i, c^_i]^T over the group's query tiles (causal: tiles
+// kappa - kappa0 of key chunks [16 grp, 16 grp + 16); non-causal: tiles [16 grp, 16 grp + 16)) into slot grp of
+// p.qstate / p.qz (groups + 1 slots; race_scan_fwd_kernel with reverse = 1 then makes them suffix sums).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) race_group_qstate_bwd_kernel(const Params p) {
+  extern __shared__ __align__(16) char smem_raw[];
+  Tiles<T, D> s(smem_raw);
+  DkvTiles<T, D> kt(smem_raw);
+  const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const Heads<T> hd(p, h, b);
+  const T* dout = static_cast<const T*>(p.dout) + b * p.sdo.b + h * p.sdo.h;
+  init_constants<T, D>(p, s);
+  float acc[D / 8 + 1][4] = {};
+  const int first = grp * kGroup, end = min(p.causal ? p.nkc : p.nqt, first + kGroup);
+  for (int it = first; it < end; ++it) {
+    const int m = p.causal ? it - p.kappa0 : it;
+    if (m < 0) continue;
+    key_side_query_tile<T, D>(p, hd, dout, m, false, s, kt);
+    query_state_delta<T, D>(p, s, kt, acc);
+  }
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
+  const int slots = (p.causal ? p.ngk : p.ngq) + 1;
+  float* B = p.qstate + (hd.bh * slots + grp) * p.features * D;
+  float* y = p.qz + (hd.bh * slots + grp) * p.features;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int f = f0 + g + 8 * half;
+    if (f >= p.features) continue;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<float2*>(B + (long long)f * D + n * 8 + 2 * t) = make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
+    if (t == 0) y[f] = acc[D / 8][2 * half] + acc[D / 8][2 * half + 1];
+  }
+}
+
+// Step (3): dk, dv and the k-side dbeta partials of the key chunks of group blockIdx.x, kv head blockIdx.y, batch
+// blockIdx.z. The GQA group's q heads in order, outermost (one suffix state in st at a time); per head the group's
+// chunks in reverse order from slot grp + 1 (non-causal: the total), causal: then st += the chunk's query tile.
+// dk, dv summed over the heads in fixed order (add_head), no atomics.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1) race_group_dkv_bwd_kernel(const Params p) {
+  extern __shared__ __align__(16) char smem_raw[];
+  Tiles<T, D> s(smem_raw);
+  DkvTiles<T, D> kt(smem_raw);
+  const int grp = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int first = grp * kGroup, end = min(p.nkc, first + kGroup);
+  const int slots = (p.causal ? p.ngk : p.ngq) + 1;
+  init_constants<T, D>(p, s);
+  for (int gh = 0; gh < p.groups; ++gh) {
+    const int h = hk * p.groups + gh;
+    const Heads<T> hd(p, h, b);
+    const T* dout = static_cast<const T*>(p.dout) + b * p.sdo.b + h * p.sdo.h;
+    const long long slot = hd.bh * slots + (p.causal ? grp + 1 : 0);
+    __syncthreads();  // the previous head's readers of st are done
+    load_state<T, D>(p, p.qstate + slot * p.features * D, p.qz + slot * p.features, s);
+    for (int kappa = end - 1; kappa >= first; --kappa) {
+      const int m = p.causal ? kappa - p.kappa0 : -1;  // the query tile whose diagonal is in this chunk
+      if (m >= 0) key_side_query_tile<T, D>(p, hd, dout, m, true, s, kt);
+      key_side_chunk<T, D>(p, hd, b, kappa, m >= 0, s, kt);
+      chunk_dkv<T, D>(p, hd, kappa, gh, m >= 0, s, kt);
+      if (m < 0 || kappa == first) continue;
+      float delta[D / 8 + 1][4] = {};  // st += tile m: the state of the tiles after m - 1
+      query_state_delta<T, D>(p, s, kt, delta);
+      const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float* row = s.st + (f0 + g + 8 * half) * (D + 8);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+          row[n * 8 + 2 * t] += delta[n][2 * half];
+          row[n * 8 + 2 * t + 1] += delta[n][2 * half + 1];
+        }
+        if (t == 0) row[D] += delta[D / 8][2 * half] + delta[D / 8][2 * half + 1];
+      }
+    }
   }
 }
 

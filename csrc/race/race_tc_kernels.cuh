@@ -257,6 +257,22 @@ __global__ void __launch_bounds__(kThreads) race_group_state_fwd_kernel(const Pa
   }
 }
 
+// sc[n] += a b^T over the kS features: the warp's 16 rows of a times rows [8n, 8n + 8) of b (fp16 [64][kT] tiles).
+__device__ __forceinline__ void scores(const __half* a, const __half* b, float (&sc)[kC / 8][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+#pragma unroll
+  for (int kk = 0; kk < kS / 16; ++kk) {
+    const __half* base = a + (r0 + g) * kT + kk * 16 + 2 * t;
+    const uint32_t ar[4] = {mma::ld32(base), mma::ld32(base + 8 * kT), mma::ld32(base + 8), mma::ld32(base + 8 * kT + 8)};
+#pragma unroll
+    for (int n = 0; n < kC / 8; ++n) {
+      const __half* brow = b + (n * 8 + g) * kT + kk * 16 + 2 * t;
+      const uint32_t br[2] = {mma::ld32(brow), mma::ld32(brow + 8)};
+      mma::m16n8k16(sc[n], ar, br, __half{});
+    }
+  }
+}
+
 // [num, den] of one query tile (acc in the C layout; den in column D): phi(q) [A, z] from the state tile
 // (tf32), plus, when `intra`, the masked chunk product (phi(q) phi(k)^T masked to j <= i) [v, 1].
 template <typename T, int D>
@@ -278,17 +294,7 @@ __device__ __forceinline__ void tile_num(const Tiles<T, D>& s, bool intra, float
   }
   if (intra) {
     float sc[kC / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < kS / 16; ++kk) {
-      const __half* base = s.phq + (r0 + g) * kT + kk * 16 + 2 * t;
-      const uint32_t a[4] = {mma::ld32(base), mma::ld32(base + 8 * kT), mma::ld32(base + 8), mma::ld32(base + 8 * kT + 8)};
-#pragma unroll
-      for (int n = 0; n < kC / 8; ++n) {
-        const __half* krow = s.phk + (n * 8 + g) * kT + kk * 16 + 2 * t;
-        const uint32_t b[2] = {mma::ld32(krow), mma::ld32(krow + 8)};
-        mma::m16n8k16(sc[n], a, b, __half{});
-      }
-    }
+    scores(s.phq, s.phk, sc);
 #pragma unroll
     for (int n = 0; n < kC / 8; ++n)
 #pragma unroll
@@ -359,18 +365,22 @@ __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, 
   __syncthreads();
 }
 
-// State slot `slot` of (b, h) into s.st: [feature][d] fp32, z in column D, zeros elsewhere.
+// One state (A (S, D), z (S)) into s.st: [feature][d] fp32, z in column D, zeros elsewhere.
 template <typename T, int D>
-__device__ void load_state(const Params& p, long long bh, int slot, Tiles<T, D>& s) {
+__device__ void load_state(const Params& p, const float* A, const float* z, Tiles<T, D>& s) {
   constexpr int kX = D + 8;
-  const float* A = p.kstate + (bh * (p.ngk + 1) + slot) * p.features * D;
-  const float* z = p.kz + (bh * (p.ngk + 1) + slot) * p.features;
   for (int e = threadIdx.x; e < kS * kX; e += kThreads) {
     const int f = e / kX, d = e % kX;
     float val = 0.f;
     if (f < p.features) val = d < D ? A[(long long)f * D + d] : (d == D ? z[f] : 0.f);
     s.st[e] = val;
   }
+}
+
+// Key-state slot `slot` of (b, h) into s.st.
+template <typename T, int D>
+__device__ void load_state(const Params& p, long long bh, int slot, Tiles<T, D>& s) {
+  load_state<T, D>(p, p.kstate + (bh * (p.ngk + 1) + slot) * p.features * D, p.kz + (bh * (p.ngk + 1) + slot) * p.features, s);
 }
 
 // s.st += phi(k)^T [v, 1] of the chunk in pkt / vt (the caller has a barrier after the last reader of st).
