@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -58,6 +59,12 @@ inline void check_key_padding_mask(const char* op, const at::Tensor& m, const at
   TORCH_CHECK(m.dim() == 2 && m.size(0) == k.size(0) && m.size(1) == k.size(2), op, ": key_padding_mask.shape=",
               m.sizes(), "; expected (B, Nk)=(", k.size(0), ", ", k.size(2), ")");
 }
+
+// Held for the whole of every CUDA impl: its own ATen calls (fp32 landmark algebra, reductions, casts) run in the
+// dtypes written, not recast by an autocast region the op was called from (a bf16 matmul would break data_ptr<float>).
+struct AutocastOff {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
+};
 
 template <typename T> struct Tag { using type = T; };
 

@@ -12,6 +12,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> exact_bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& key_padding_mask, bool causal, double scale) {
   constexpr const char* kOp = "hfab::exact_bwd";
+  const AutocastOff autocast_off;
   Inputs in = prepare(kOp, q, k, v, key_padding_mask, causal, scale);
   check_on_device(kOp, "dout", dout, q.device());
   check_on_device(kOp, "out", out, q.device());

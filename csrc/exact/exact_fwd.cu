@@ -12,6 +12,7 @@ std::tuple<at::Tensor, at::Tensor> exact_fwd_cuda(const at::Tensor& q, const at:
                                                   const std::optional<at::Tensor>& key_padding_mask, bool causal,
                                                   double scale) {
   constexpr const char* kOp = "hfab::exact_fwd";
+  const AutocastOff autocast_off;
   Inputs in = prepare(kOp, q, k, v, key_padding_mask, causal, scale);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));

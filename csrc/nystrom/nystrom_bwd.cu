@@ -174,6 +174,7 @@ Grads nystrom_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Te
                        const std::optional<at::Tensor>& conv_weight, const std::optional<at::Tensor>& key_padding_mask,
                        int64_t num_landmarks, int64_t newton_iter, double kappa_star, double scale) {
   constexpr const char* kOp = "hfab::nystrom_bwd";
+  const AutocastOff autocast_off;
   Inputs in = prepare(kOp, q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star, scale);
   check_on_device(kOp, "dout", dout, q.device());
   TORCH_CHECK(dout.sizes() == q.sizes(), kOp, ": dout ", dout.sizes(), " must have q's shape ", q.sizes());

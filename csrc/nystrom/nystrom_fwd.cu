@@ -12,6 +12,7 @@ at::Tensor nystrom_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::optional<at::Tensor>& key_padding_mask, int64_t num_landmarks,
                             int64_t newton_iter, double kappa_star, double scale) {
   constexpr const char* kOp = "hfab::nystrom_fwd";
+  const AutocastOff autocast_off;
   Inputs in = prepare(kOp, q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star, scale);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));

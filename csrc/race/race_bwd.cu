@@ -12,6 +12,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> race_bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& planes,
     const at::Tensor& beta, const std::optional<at::Tensor>& key_padding_mask, bool causal) {
   constexpr const char* kOp = "hfab::race_bwd";
+  const AutocastOff autocast_off;
   Inputs in = prepare(kOp, q, k, v, planes, beta, key_padding_mask, causal);
   check_on_device(kOp, "dout", dout, q.device());
   TORCH_CHECK(dout.sizes() == q.sizes(), kOp, ": dout ", dout.sizes(), " must have q's shape ", q.sizes());

@@ -10,6 +10,7 @@ namespace {
 at::Tensor race_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& planes,
                          const at::Tensor& beta, const std::optional<at::Tensor>& key_padding_mask, bool causal) {
   constexpr const char* kOp = "hfab::race_fwd";
+  const AutocastOff autocast_off;
   Inputs in = prepare(kOp, q, k, v, planes, beta, key_padding_mask, causal);
   const c10::cuda::CUDAGuard guard(q.device());
   const auto contiguous = q.options().memory_format(at::MemoryFormat::Contiguous);

@@ -13,6 +13,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stieltjes_bwd_cuda(
     const at::Tensor& rowmax, const at::Tensor& lam, const std::optional<at::Tensor>& key_padding_mask, bool causal,
     double scale, double order) {
   constexpr const char* kOp = "hfab::stieltjes_bwd";
+  const AutocastOff autocast_off;
   Inputs in = prepare(kOp, q, k, v, key_padding_mask, causal, scale, order);
   check_on_device(kOp, "dout", dout, q.device());
   TORCH_CHECK(dout.sizes() == q.sizes(), kOp, ": dout ", dout.sizes(), " must have q's shape ", q.sizes());

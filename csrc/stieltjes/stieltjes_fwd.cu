@@ -12,6 +12,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stieltjes_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& key_padding_mask,
     bool causal, double scale, double order, int64_t newton_iter) {
   constexpr const char* kOp = "hfab::stieltjes_fwd";
+  const AutocastOff autocast_off;
   TORCH_CHECK(newton_iter >= 0 && newton_iter <= 100, kOp, ": newton_iter=", newton_iter,
               " is not supported; supported: 0..100");
   Inputs in = prepare(kOp, q, k, v, key_padding_mask, causal, scale, order);

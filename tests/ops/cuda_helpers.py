@@ -103,3 +103,21 @@ def assert_kernels_registered(backend: str) -> None:
     for op in (f"{backend}_fwd", f"{backend}_bwd"):
         table = torch._C._dispatch_dump(f"hfab::{op}")
         assert f"{op}.cu" in table, f"hfab::{op} CUDA kernel is not the compiled one:\n{table}"
+
+
+def flat_tensors(x):
+    """The tensors of a nested tuple/list, in order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for item in x for t in flat_tensors(item)]
+
+
+def assert_unchanged_by_autocast(run):
+    """run() -> (nested tuples of) tensors: the same bits inside a bf16 autocast region as outside it. The CUDA impls
+    do part of their math with ATen calls (fp32 landmark algebra, reductions) that autocast must not recast."""
+    plain = flat_tensors(run())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        cast = flat_tensors(run())
+    assert len(cast) == len(plain)
+    for got, want in zip(cast, plain):
+        assert got.dtype == want.dtype and torch.equal(got, want)

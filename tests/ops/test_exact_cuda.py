@@ -14,15 +14,14 @@ from benchmarks.bench_exact import fp32_fma_tflops, packed_half_fma_tflops
 from hf_attention_backends.ops.exact import reference
 from tests.inputs import make_padding
 from tests.ops.cuda_helpers import (DEV, assert_compiled_matches_eager, assert_kernels_registered,
-                                    assert_sanitizer_clean, make_inputs, poison, replay_in_cuda_graph, strided_mask,
-                                    strided_views)
+                                    assert_sanitizer_clean, assert_unchanged_by_autocast, make_inputs, poison,
+                                    replay_in_cuda_graph, strided_mask, strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
 
 NS = [1, 7, 63, 64, 65, 333, 2049]
 GRAD_FLOOR = 1e-5  # fp32 residue of dP - delta where the exact gradient is 0 (e.g. one visible key)
-
 
 
 def oracle(q, k, v, *, causal, scale, mask):
@@ -46,7 +45,6 @@ def oracle(q, k, v, *, causal, scale, mask):
     out = (w @ v) / torch.where(z > 0, z, torch.ones_like(z))
     lse = torch.where(z > 0, torch.log(z) + m, torch.full_like(z, float("-inf"))).squeeze(-1)
     return out, lse
-
 
 
 def lse_like(q):
@@ -178,7 +176,6 @@ def test_inputs_on_other_devices_raise():
         torch.ops.hfab.exact_fwd(q, k, v.cpu(), None, False, 0.1)
 
 
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_non_contiguous_inputs_equal_contiguous(causal):
     q, k, v = make_inputs(2, 4, 2, 65, 65, 64)
@@ -203,6 +200,14 @@ def test_deterministic():
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     for a, b in zip(first[2], second[2]):
         assert torch.equal(a, b)
+
+
+def test_autocast_region_changes_nothing():
+    q, k, v = make_inputs(2, 4, 2, 333, 333, 64, dtype=torch.bfloat16)
+    mask = make_padding(2, 333, seed=2).to(DEV)
+    dout = torch.randn_like(q)
+    for causal in (False, True):
+        assert_unchanged_by_autocast(lambda: run_kernel(q, k, v, dout, causal=causal, scale=0.125, mask=mask))
 
 
 def test_public_function_autograd():

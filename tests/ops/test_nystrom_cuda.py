@@ -15,7 +15,8 @@ import hf_attention_backends as hfab
 from hf_attention_backends.ops.nystrom import reference
 from tests.inputs import make_padding
 from tests.ops.cuda_helpers import (assert_compiled_matches_eager, assert_kernels_registered, assert_sanitizer_clean,
-                                    make_inputs, poison, replay_in_cuda_graph, strided_mask, strided_views)
+                                    assert_unchanged_by_autocast, make_inputs, poison, replay_in_cuda_graph,
+                                    strided_mask, strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -156,6 +157,20 @@ def test_deterministic_forward():
     first = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
     second = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
     assert torch.equal(first, second)
+
+
+def test_autocast_region_changes_nothing():
+    """The fp32 landmark algebra (K2, Newton–Schulz, its VJP) stays fp32 when the op runs inside autocast."""
+    q, k, v = make_inputs(2, 8, 2, 1500, 1500, 64, dtype=torch.bfloat16)
+    mask = make_padding(2, 1500, min_real=700, seed=3).to(DEV)
+    conv = make_conv(8, 3, q.dtype)
+    dout = torch.randn_like(q)
+
+    def run():
+        out = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
+        return out, torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, 32, 6, 0.0, 0.125)
+
+    assert_unchanged_by_autocast(run)
 
 
 def test_backward_gqa_groups_of_four_deterministic():

@@ -19,8 +19,8 @@ import hf_attention_backends as hfab
 from hf_attention_backends.ops.race import reference
 from tests.inputs import make_padding
 from tests.ops.cuda_helpers import (DEV, assert_compiled_matches_eager, assert_kernels_registered,
-                                    assert_sanitizer_clean, make_inputs, poison, replay_in_cuda_graph, strided_mask,
-                                    strided_views)
+                                    assert_sanitizer_clean, assert_unchanged_by_autocast, make_inputs, poison,
+                                    replay_in_cuda_graph, strided_mask, strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -29,7 +29,6 @@ ROOT = Path(__file__).resolve().parents[2]
 NS = [1, 7, 63, 64, 65, 333, 4097]
 GRAD_FLOOR = 1e-5      # fp32 residue of G.v - c where the exact gradient is 0 (e.g. one visible key)
 FP32_SUM_FLOOR = 1e-4  # x (1 + max|oracle|): fp32 sums in another order (dbeta; float32 inputs)
-
 
 
 def make_planes(num_tables, num_planes, d, seed=0):
@@ -68,7 +67,6 @@ def oracle(q, k, v, planes, beta, *, causal, mask):
     a = a * allowed
     den = a.sum(dim=-1, keepdim=True)
     return torch.where(den > 0, (a @ v) / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(den))
-
 
 
 def run_kernel(q, k, v, planes, beta, dout, *, causal, mask):
@@ -219,7 +217,6 @@ def test_float32(n):
         check_against_oracle(q, k, v, make_planes(4, 4, 64), per_head_beta(4, 64), causal=causal)
 
 
-
 @pytest.mark.parametrize("n", [1, 63, 65, 1100, 4097])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_backward_gqa_padding(n, dtype):
@@ -336,6 +333,14 @@ def test_deterministic():
         for a, b in zip(first[1], second[1]):
             assert torch.equal(a, b)
 
+
+def test_autocast_region_changes_nothing():
+    q, k, v = make_inputs(2, 8, 2, 333, 333, 64, dtype=torch.bfloat16)
+    planes, beta = make_planes(4, 4, 64), per_head_beta(8, 64)
+    mask = make_padding(2, 333, seed=2).to(DEV)
+    dout = torch.randn_like(q)
+    for causal in (False, True):
+        assert_unchanged_by_autocast(lambda: run_kernel(q, k, v, planes, beta, dout, causal=causal, mask=mask))
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -18,8 +18,8 @@ import hf_attention_backends as hfab
 from hf_attention_backends.ops.stieltjes import reference
 from tests.inputs import make_padding
 from tests.ops.cuda_helpers import (DEV, assert_compiled_matches_eager, assert_kernels_registered,
-                                    assert_sanitizer_clean, make_inputs, poison, replay_in_cuda_graph, strided_mask,
-                                    strided_views)
+                                    assert_sanitizer_clean, assert_unchanged_by_autocast, make_inputs, poison,
+                                    replay_in_cuda_graph, strided_mask, strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -244,6 +244,14 @@ def test_deterministic():
         second = run_kernel(q, k, v, dout, causal=causal, mask=mask, newton_iter=3)
         for a, b in zip(first[0] + first[1], second[0] + second[1]):
             assert torch.equal(a, b)
+
+
+def test_autocast_region_changes_nothing():
+    q, k, v = make_inputs(2, 8, 2, 333, 333, 64, dtype=torch.bfloat16)
+    mask = make_padding(2, 333, seed=2).to(DEV)
+    dout = torch.randn_like(q)
+    for causal in (False, True):
+        assert_unchanged_by_autocast(lambda: run_kernel(q, k, v, dout, causal=causal, mask=mask, newton_iter=3))
 
 
 @pytest.mark.parametrize("causal", [False, True])
