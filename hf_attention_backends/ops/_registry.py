@@ -7,6 +7,7 @@ gives every op still lacking one a CUDA kernel that raises a clear NotImplemente
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable
 
@@ -17,9 +18,20 @@ _OPS: dict[str, Callable] = {}
 _GUARDED: list[str] = []
 
 
+def without_autocast(impl: Callable, device_type: str) -> Callable:
+    """``impl`` run with ``device_type`` autocast off: a kernel computes in the dtypes it was written for (fp32
+    accumulation, Newton–Schulz in fp32), not in the dtype of an autocast region its op was called from."""
+    @functools.wraps(impl)
+    def run(*args, **kwargs):
+        with torch.autocast(device_type, enabled=False):
+            return impl(*args, **kwargs)
+    return run
+
+
 def cpu_op(name: str, reference_impl: Callable):
     """Define ``hfab::<name>`` from a type-annotated function; its body is the CPU kernel."""
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=(), device_types="cpu")(reference_impl)
+    op.register_kernel("cpu", without_autocast(reference_impl, "cpu"))
     _OPS[f"{NAMESPACE}::{name}"] = reference_impl
     return op
 
@@ -48,7 +60,7 @@ def install_cuda_guards() -> list[str]:
     for qualname, reference_impl in _OPS.items():
         if has_cuda_kernel(qualname):
             continue
-        impl = reference_impl if reference_on_cuda_allowed() else _missing_kernel(qualname)
+        impl = without_autocast(reference_impl, "cuda") if reference_on_cuda_allowed() else _missing_kernel(qualname)
         torch.library.register_kernel(qualname, "cuda", impl)
         guarded.append(qualname)
     _GUARDED.extend(guarded)
