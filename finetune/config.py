@@ -16,7 +16,7 @@ data:      {source: news | file.jsonl | file.txt | folder, documents: 256, eval_
 transfer:  {steps: 100, lr: 0.01, train: []}        # train: extra parameter-name substrings, e.g. [q_proj]
 fine_tune: {steps: 200, lr: 1e-4, method: lora | full | none, lora_r: 8, lora_alpha: 16,
             lora_target_modules: [q_proj, k_proj, v_proj, o_proj], lm_weight: 1.0, kl_weight: 0.0,
-            hidden_weight: 0.0, temperature: 1.0, train_hfab: true}
+            hidden_weight: 0.0, embedding_weight: 0.0, temperature: 1.0, train_hfab: true}
 train:     {grad_accum: 1, warmup_steps: 0, clip: 1.0, weight_decay: 0.0, mixed_precision: null | no | bf16 | fp16,
             log_every: 10, eval_every: 0, eval_batches: null, gradient_checkpointing: false,
             save_every: 0, keep_checkpoints: 2, tensorboard: false, plot: true}
@@ -88,7 +88,8 @@ class TransferSpec:
 
 @dataclass
 class FineTuneSpec:
-    """Stage 2: LoRA (peft), full or no fine-tuning with LM loss + KL to the teacher's logits + hidden MSE."""
+    """Stage 2: LoRA (peft), full or no fine-tuning with LM loss + KL to the teacher's logits + hidden MSE +
+    (1 - cosine) of the mean-pooled last hidden states (``embedding_weight``, for encoders)."""
     steps: int = 0
     lr: float = 1e-4
     method: str = "lora"
@@ -98,6 +99,7 @@ class FineTuneSpec:
     lm_weight: float = 1.0
     kl_weight: float = 0.0
     hidden_weight: float = 0.0
+    embedding_weight: float = 0.0
     temperature: float = 1.0
     train_hfab: bool = True
 
@@ -238,10 +240,11 @@ def _check(r: Recipe) -> None:
     ft = r.fine_tune
     if ft.method not in METHODS:
         raise ConfigError(f"fine_tune.method={ft.method!r} is not supported; supported: {', '.join(METHODS)}")
-    for key in ("lm_weight", "kl_weight", "hidden_weight"):
+    weights = ("lm_weight", "kl_weight", "hidden_weight", "embedding_weight")
+    for key in weights:
         _positive(f"fine_tune.{key}", getattr(ft, key), zero_ok=True)
-    if ft.steps and ft.method != "none" and ft.lm_weight + ft.kl_weight + ft.hidden_weight == 0:
-        raise ConfigError("fine_tune.steps > 0 but lm_weight, kl_weight and hidden_weight are all 0; set one > 0")
+    if ft.steps and ft.method != "none" and sum(getattr(ft, key) for key in weights) == 0:
+        raise ConfigError(f"fine_tune.steps > 0 but {', '.join(weights)} are all 0; set one > 0")
     if ft.steps and ft.method == "none" and not ft.train_hfab:
         raise ConfigError("fine_tune.steps > 0 with method='none' and train_hfab=false trains nothing; set "
                           "method to lora or full, train_hfab to true, or steps to 0")

@@ -15,7 +15,8 @@ Steps (the recipe, ``finetune/config.py``, says which run):
    by :class:`hf_attention_backends.calibrate.TeacherForcing`);
 4. fine-tuning (``fine_tune.steps``): LoRA (peft, merged at the end), full, or ``hfab_*`` only, with
    ``lm_weight`` × next-token loss + ``kl_weight`` × KL(teacher ‖ student) of the logits at temperature T
-   (× T²) + ``hidden_weight`` × MSE of the last hidden state; real tokens only.
+   (× T²) + ``hidden_weight`` × MSE of the last hidden state + ``embedding_weight`` × (1 − cosine of the
+   mean-pooled last hidden states); real tokens only.
 
 Accelerate handles devices, DDP/FSDP and mixed precision; gradient accumulation, warm-up + cosine schedule and
 clipping per stage. Losses are means over the real tokens of the global micro-batch (:func:`token_mean`), so P
@@ -106,6 +107,19 @@ def mean_pool(hidden, mask):
     return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
 
 
+def pooled_cosine(out, ref, mask):
+    """(B,) cosine between the mean-pooled (real tokens) last hidden states of two model outputs, in fp32."""
+    return F.cosine_similarity(mean_pool(last_hidden(out).float(), mask), mean_pool(last_hidden(ref).float(), mask),
+                               dim=-1)
+
+
+def embedding_loss(accelerator, out, ref, mask):
+    """1 - :func:`pooled_cosine`, the mean over the global micro-batch's rows that hold a real token: the
+    encoders' evaluation metric as a loss (the hidden MSE also weighs norms and single tokens)."""
+    real_rows = (mask.sum(1) > 0).to(torch.float32)
+    return token_mean(accelerator, ((1 - pooled_cosine(out, ref, mask)) * real_rows).sum(), real_rows.sum())
+
+
 @torch.no_grad()
 def evaluate(accelerator, model, teacher, loader, causal: bool, max_batches=None) -> dict:
     """Held-out metrics of ``model`` (every process evaluates all rows, so no gather is needed).
@@ -131,8 +145,7 @@ def evaluate(accelerator, model, teacher, loader, causal: bool, max_batches=None
             if ref is not None:
                 agree += int(((out.logits.argmax(-1) == ref.logits.argmax(-1)) & (mask == 1)).sum())
         elif ref is not None:
-            a, b = mean_pool(last_hidden(out).float(), mask), mean_pool(last_hidden(ref).float(), mask)
-            cos += float(F.cosine_similarity(a, b, dim=-1).sum())
+            cos += float(pooled_cosine(out, ref, mask).sum())
         rows += len(mask)
         real += int(mask.sum())
     model.train(was_training)
@@ -287,7 +300,7 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     teacher, tokenizer, causal = load_model(recipe.model.name, recipe.model.dtype, recipe.seed)
     if not causal and ft.steps and (ft.lm_weight or ft.kl_weight):
         raise ConfigError(f"model.name={recipe.model.name!r} is an encoder without logits: fine_tune.lm_weight and "
-                          "kl_weight must be 0 (use hidden_weight)")
+                          "kl_weight must be 0 (use hidden_weight or embedding_weight)")
     documents = load_documents(d.source, d.documents + d.eval_documents, min_chars=d.min_chars,
                                text_field=d.text_field)
     train_docs, eval_docs = split_documents(documents, d.eval_documents)
@@ -387,7 +400,7 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
         if t.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in model.parameters() if p.requires_grad]
-        need_hidden = ft.hidden_weight > 0 and causal
+        need_hidden = (ft.hidden_weight > 0 or ft.embedding_weight > 0) and causal
 
         def finetune_loss(wrapped, batch):
             kwargs = forward_kwargs(student, batch)
@@ -399,7 +412,7 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
             if ft.lm_weight:
                 nll, count = next_token_nll(out.logits, batch["labels"])
                 loss = loss + ft.lm_weight * token_mean(accelerator, nll, count)
-            if ft.kl_weight or ft.hidden_weight:
+            if ft.kl_weight or ft.hidden_weight or ft.embedding_weight:
                 with torch.no_grad():
                     ref = teacher(**kwargs)
                 if ft.kl_weight:
@@ -407,6 +420,8 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
                 if ft.hidden_weight:
                     err = ((last_hidden(out).float() - last_hidden(ref).float()) ** 2).mean(-1)
                     loss = loss + ft.hidden_weight * masked_mean(accelerator, err, mask)
+                if ft.embedding_weight:
+                    loss = loss + ft.embedding_weight * embedding_loss(accelerator, out, ref, mask)
             return loss
 
         model, losses = run_stage("fine_tune", accelerator, model, params, finetune_loss, train_loader, ft.steps,

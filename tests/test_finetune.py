@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
+from transformers.modeling_outputs import BaseModelOutput
 
 import hf_attention_backends as hfab
 from hf_attention_backends.calibrate import TeacherForcing, converted_layers, forward_kwargs
@@ -16,7 +17,7 @@ from finetune.data import ByteTokenizer, load_documents, split_documents, tokeni
 from finetune.models import load_model
 from finetune.checkpoint import EpochSampler, check_compatible, list_checkpoints, resolve_resume
 from finetune.logs import CSV_COLUMNS, RunLog, read_csv
-from finetune.train import next_token_nll, run, run_stage, trainable
+from finetune.train import embedding_loss, next_token_nll, run, run_stage, trainable
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "finetune" / "tiny_smoke.yaml"
@@ -35,7 +36,7 @@ def test_shipped_recipes_validate(name):
     ({"convert": {"backend": "nystrom", "options": {"num_landmarks": 0}}}, r"convert: num_landmarks=0"),
     ({"convert": {"backend": "race", "options": {"order": 4}}}, r"convert: unknown option\(s\) \['order'\]"),
     ({"fine_tune": {"method": "qlora"}}, r"fine_tune.method='qlora' is not supported; supported: lora, full"),
-    ({"fine_tune": {"steps": 3, "lm_weight": 0}}, r"lm_weight, kl_weight and hidden_weight are all 0"),
+    ({"fine_tune": {"steps": 3, "lm_weight": 0}}, r"lm_weight, kl_weight, hidden_weight, embedding_weight are all 0"),
     ({"train": {"mixed_precision": "fp8"}}, r"train.mixed_precision='fp8' is not supported"),
     ({"calibrate": {"race_betas": [0.1, 0]}}, r"calibrate.race_betas=\[0.1, 0\] must be null or a non-empty"),
     ({"model": {"dtype": "int8"}}, r"model.dtype='int8' is not supported"),
@@ -134,6 +135,47 @@ def test_attention_transfer_and_lm_loss_decrease():
     _, losses = run_stage("fine_tune", accelerator, student, params, lm_loss, batches, 8, 3e-3, recipe,
                           None, None)
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_embedding_loss_is_one_minus_the_pooled_cosine():
+    """Against a per-row float64 loop: padding is left out of the mean pool, a row without real tokens counts for
+    nothing, identical outputs give 0."""
+    g = torch.Generator().manual_seed(0)
+    h, r = torch.randn(3, 5, 8, generator=g), torch.randn(3, 5, 8, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
+    expected = []
+    for row in range(2):
+        keep = mask[row].bool()
+        a, b = h[row, keep].double().mean(0), r[row, keep].double().mean(0)
+        expected.append(1 - float(a @ b / (a.norm() * b.norm())))
+    out, ref = BaseModelOutput(last_hidden_state=h), BaseModelOutput(last_hidden_state=r)
+    accelerator = Accelerator(cpu=True)
+    assert float(embedding_loss(accelerator, out, ref, mask)) == pytest.approx(sum(expected) / 2, rel=1e-5)
+    assert abs(float(embedding_loss(accelerator, out, out, mask))) < 1e-6
+
+
+def test_embedding_loss_trains_a_converted_encoder_towards_its_teacher():
+    """A teacher with other weights (seed 1), so that the loss starts far from 0; dropout off: every step is exact."""
+    teacher, tok, causal = load_model("tiny_bert", seed=1)
+    assert not causal
+    student = hfab.convert(load_model("tiny_bert")[0], "nystrom", num_landmarks=4, conv_kernel_size=3)
+    for module in student.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    accelerator = Accelerator(cpu=True)
+    recipe = Recipe()
+    recipe.train.log_every = 100
+
+    def loss_fn(wrapped, batch):
+        kwargs = forward_kwargs(student, batch)
+        with torch.no_grad():
+            ref = teacher(**kwargs)
+        return embedding_loss(accelerator, wrapped(**kwargs), ref, batch["attention_mask"])
+
+    student.requires_grad_(True)
+    _, losses = run_stage("fine_tune", accelerator, student, list(student.parameters()), loss_fn, loader(tok, n=4),
+                          8, 3e-3, recipe, None, None)
+    assert losses[0] > 0.5 and all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.1, losses
 
 
 def test_transfer_trains_named_parameters_of_converted_layers_only():
