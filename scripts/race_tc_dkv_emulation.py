@@ -75,22 +75,28 @@ def tables(x, planes, beta):
     return u, torch.softmax(logits, dim=-1).flatten(1)
 
 
+def dense_scores(q, k, planes, beta_q, beta_k, mask, causal, b, h):
+    """phi(q) phi(k)^T of batch b, q head h (its kv head h // groups), masked (causal bottom-right, padding)."""
+    nq, nk, groups = q.shape[2], k.shape[2], q.shape[1] // k.shape[1]
+    _, pq = tables(q[b, h], planes, beta_q[h])
+    _, pk = tables(k[b, h // groups], planes, beta_k[h])
+    i = torch.arange(nq)[:, None]
+    j = torch.arange(nk)[None, :]
+    allowed = (j <= i + nk - nq) if causal else torch.ones(nq, nk, dtype=torch.bool)
+    if mask is not None:
+        allowed = allowed & mask[b][None, :]
+    return (pq @ pk.T) * allowed
+
+
 def dense(q, k, v, planes, beta_q, beta_k, mask, causal):
     """Dense oracle with separate betas for phi(q) and phi(k) (per q head)."""
-    hq, nq, nk = q.shape[1], q.shape[2], k.shape[2]
+    hq = q.shape[1]
     groups = hq // k.shape[1]
     out = []
     for b in range(q.shape[0]):
         heads = []
         for h in range(hq):
-            _, pq = tables(q[b, h], planes, beta_q[h])
-            _, pk = tables(k[b, h // groups], planes, beta_k[h])
-            i = torch.arange(nq)[:, None]
-            j = torch.arange(nk)[None, :]
-            allowed = (j <= i + nk - nq) if causal else torch.ones(nq, nk, dtype=torch.bool)
-            if mask is not None:
-                allowed = allowed & mask[b][None, :]
-            a = (pq @ pk.T) * allowed
+            a = dense_scores(q, k, planes, beta_q, beta_k, mask, causal, b, h)
             den = a.sum(-1, keepdim=True)
             heads.append(torch.where(den > 0, a @ v[b, h // groups] / torch.where(den > 0, den, 1.0), 0.0 * den))
         out.append(torch.stack(heads))
@@ -127,14 +133,7 @@ def emulate(q, k, v, dout, planes, beta, mask, causal, group=16, ops=Exact()):
         cq = torch.zeros_like(den)
         for b in range(bsz):
             for h in range(hq):
-                _, pq = tables(q[b, h], planes, beta[h])
-                _, pk = tables(k[b, h // groups], planes, beta[h])
-                i = torch.arange(nq)[:, None]
-                j = torch.arange(nk)[None, :]
-                allowed = (j <= i + nk - nq) if causal else torch.ones(nq, nk, dtype=torch.bool)
-                if mask is not None:
-                    allowed = allowed & mask[b][None, :]
-                a = (pq @ pk.T) * allowed
+                a = dense_scores(q, k, planes, beta, beta, mask, causal, b, h)
                 dn = a.sum(-1)
                 o = torch.where(dn[:, None] > 0, a @ v[b, h // groups] / torch.where(dn > 0, dn, 1.0)[:, None], 0.0)
                 den[b, h] = dn
