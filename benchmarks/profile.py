@@ -3,6 +3,12 @@
 ``python -m benchmarks.profile CASE N [--mode fwd|fwd+bwd] [--provider ours] [--calls 3]`` builds the
 case's inputs as the runner does, warms up, profiles ``--calls`` calls and prints the kernels sorted by
 total GPU time (per-call milliseconds and share), so a NOTES.md can say which kernel bounds a shape.
+
+``--ncu``: instead, one call between cudaProfilerStart and cudaProfilerStop after the warm-up, for Nsight
+Compute's hardware counters on exactly that call's kernels (``scripts/ncu_profile.sh`` runs it)::
+
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight ... \
+        python -m benchmarks.profile race_causal 262144 --mode fwd+bwd --ncu
 """
 import argparse
 import sys
@@ -14,8 +20,8 @@ from . import registry
 from .run import make_call, make_inputs
 
 
-def kernel_table(case_name: str, n: int, mode: str, provider: str, calls: int) -> list[tuple[str, float, int]]:
-    """[(kernel name, GPU ms per call, launches per call)] sorted by time, for ``calls`` profiled calls."""
+def warm_call(case_name: str, n: int, mode: str, provider: str):
+    """The benchmark runner's call of one case, size and mode, already run twice (compiled, allocated)."""
     registry.load()
     if case_name not in registry.CASES:
         raise ValueError(f"case {case_name!r} is not registered; registered: {', '.join(registry.CASES)}")
@@ -26,6 +32,12 @@ def kernel_table(case_name: str, n: int, mode: str, provider: str, calls: int) -
     for i in range(2):
         call(i)
     torch.cuda.synchronize()
+    return call
+
+
+def kernel_table(case_name: str, n: int, mode: str, provider: str, calls: int) -> list[tuple[str, float, int]]:
+    """[(kernel name, GPU ms per call, launches per call)] sorted by time, for ``calls`` profiled calls."""
+    call = warm_call(case_name, n, mode, provider)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(calls):
             call(i)
@@ -43,7 +55,15 @@ def main(argv=None) -> int:
     parser.add_argument("--provider", default="ours")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--ncu", action="store_true", help="one call inside cudaProfilerStart/Stop, no table")
     args = parser.parse_args(argv)
+    if args.ncu:
+        call = warm_call(args.case, args.n, args.mode, args.provider)
+        torch.cuda.profiler.start()
+        call(0)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return 0
     rows = kernel_table(args.case, args.n, args.mode, args.provider, args.calls)
     total = sum(r[1] for r in rows)
     print(f"{args.case} N={args.n} {args.mode} {args.provider}: {total:.3f} ms of GPU time per call")
