@@ -4,11 +4,13 @@
 ``seq_len`` tokens (a document longer than a row continues in the next row; its last, shorter row is
 padded on the right). A row holds tokens of exactly one document, so no packed row, restarting
 ``position_ids`` or cross-document attention can occur (the adapters refuse packed rows anyway).
+:func:`split_sentences` turns held-out documents into sentences, one row each, for sentence-level evaluation.
 The ``datasets`` package is not needed.
 """
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -111,6 +113,19 @@ class RowDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {k: v[i] for k, v in self.rows.items()}
+
+
+_SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')]))\s+(?=[\"'(]?[A-Z0-9£$€])")
+
+
+def split_sentences(text: str) -> list[str]:
+    """The sentences of ``text``: paragraphs (blank lines) cut after ``.``, ``!`` or ``?`` (and a closing quote or
+    bracket) followed by whitespace and a capital letter, digit or currency sign. A heuristic (an abbreviation
+    such as "U.S. Army" also ends a sentence), for evaluation only; empty pieces are dropped."""
+    sentences = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        sentences.extend(piece.strip() for piece in _SENTENCE_END.split(paragraph.replace("\n", " ")))
+    return [x for x in sentences if x]
 
 
 def split_documents(documents: Sequence[str], eval_count: int) -> tuple[list[str], list[str]]:

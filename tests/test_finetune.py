@@ -13,7 +13,8 @@ from transformers.modeling_outputs import BaseModelOutput
 import hf_attention_backends as hfab
 from hf_attention_backends.calibrate import TeacherForcing, converted_layers, forward_kwargs
 from finetune.config import ConfigError, Recipe, load_recipe, recipe_from_dict
-from finetune.data import ByteTokenizer, load_documents, split_documents, tokenize_rows
+from finetune.data import (ByteTokenizer, encode, load_documents, split_documents, split_sentences,
+                           tokenize_rows)
 from finetune.models import load_model
 from finetune.checkpoint import EpochSampler, check_compatible, list_checkpoints, resolve_resume
 from finetune.logs import CSV_COLUMNS, RunLog, read_csv
@@ -43,6 +44,7 @@ def test_shipped_recipes_validate(name):
     ({"data": []}, r"data must be a mapping, got list"),
     ({"calibrate": {"stieltjes_temperatures": [1.0]}}, r"needs convert.backend: stieltjes with options per_head_temp"),
     ({"train": {"save_every": -1}}, r"train.save_every=-1 must be >= 0"),
+    ({"data": {"eval_unit": "words"}}, r"data.eval_unit='words' is not supported; supported: rows, sentences"),
 ])
 def test_config_validation_errors(data, match):
     with pytest.raises(ConfigError, match=match):
@@ -70,6 +72,22 @@ def test_rows_never_cross_documents():
         full = tok.encode(text)
         kept = full if len(full) % 8 != 1 else full[:-1]
         assert rebuilt.get(d, []) == kept
+
+
+def test_split_sentences_keeps_closing_quotes_and_numbers():
+    text = ('Profits rose 1.5% to $1.13bn. "We are pleased," he said. Was it "luck"? No!\n\n'
+            '(A new paragraph.) 3 firms\nfollowed.')
+    assert split_sentences(text) == ['Profits rose 1.5% to $1.13bn.', '"We are pleased," he said.',
+                                     'Was it "luck"?', 'No!', '(A new paragraph.)', '3 firms followed.']
+
+
+def test_sentence_rows_hold_one_sentence_each():
+    doc = load_documents("news", 1)[0]
+    sentences = split_sentences(doc)
+    tok = ByteTokenizer()
+    rows = tokenize_rows(sentences, tok, 1024)
+    assert len(rows["input_ids"]) == len(sentences) > 5
+    assert rows["attention_mask"].sum(1).tolist() == [len(encode(tok, x)) for x in sentences]
 
 
 def test_load_documents_from_local_files(tmp_path):
