@@ -29,9 +29,10 @@ def without_autocast(impl: Callable, device_type: str) -> Callable:
 
 
 def cpu_op(name: str, reference_impl: Callable):
-    """Define ``hfab::<name>`` from a type-annotated function; its body is the CPU kernel."""
+    """Define ``hfab::<name>`` from a type-annotated function; its body, run with CPU autocast off, is the CPU
+    kernel."""
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=(), device_types="cpu")(reference_impl)
-    op.register_kernel("cpu", without_autocast(reference_impl, "cpu"))
+    op.register_kernel("cpu", without_autocast(reference_impl, "cpu"))  # schema: from the unwrapped annotations
     _OPS[f"{NAMESPACE}::{name}"] = reference_impl
     return op
 
