@@ -186,16 +186,7 @@ __device__ __forceinline__ void split_product(const float (&x)[kC / 8][4], const
 #pragma unroll
   for (int kk = 0; kk < kC / 16; ++kk) {
     uint32_t hi[4], lo[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {  // A register r: n-tile 2kk + r / 2, elements 2 (r % 2) + {0, 1} (row half r % 2)
-      const float x0 = x[2 * kk + r / 2][2 * (r % 2)] * scale[r % 2];
-      const float x1 = x[2 * kk + r / 2][2 * (r % 2) + 1] * scale[r % 2];
-      T h0, l0, h1, l1;
-      mma::split<T>(x0, h0, l0);
-      mma::split<T>(x1, h1, l1);
-      hi[r] = mma::pack2<T>(to_float(h0), to_float(h1));
-      lo[r] = mma::pack2<T>(to_float(l0), to_float(l1));
-    }
+    split_a<T>(x, kk, scale, hi, lo);
 #pragma unroll
     for (int n = 0; n < NN; ++n) {
       if (n >= ncount) continue;
@@ -265,34 +256,7 @@ __device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>
       mma_tf32x3(sc[n], qhi, qlo, bhi, blo);
     }
   }
-  if (!intra) return;
-#pragma unroll
-  for (int n = 0; n < kC / 8; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = r0 + g + (e >= 2 ? 8 : 0), j = n * 8 + 2 * t + (e & 1);
-      if (j > i) sc[n][e] = 0.f;  // tile m and chunk kappa0 + m share their diagonal
-    }
-#pragma unroll
-  for (int kk = 0; kk < kC / 16; ++kk) {
-    uint32_t hi[4], lo[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {  // A register r: scores of n-tile 2kk + r / 2, elements 2 (r % 2) + {0, 1}
-      const float x0 = sc[2 * kk + r / 2][2 * (r % 2)], x1 = sc[2 * kk + r / 2][2 * (r % 2) + 1];
-      T h0, l0, h1, l1;
-      mma::split<T>(x0, h0, l0);
-      mma::split<T>(x1, h1, l1);
-      hi[r] = mma::pack2<T>(to_float(h0), to_float(h1));
-      lo[r] = mma::pack2<T>(to_float(l0), to_float(l1));
-    }
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      const T* vrow = s.vt + (n * 8 + g) * kT + kk * 16 + 2 * t;
-      const uint32_t b[2] = {mma::ld32(vrow), mma::ld32(vrow + 8)};
-      mma::m16n8k16(acc[n], hi, b, T{});
-      mma::m16n8k16(acc[n], lo, b, T{});
-    }
-  }
+  if (intra) masked_scores_times_v<T, D>(s, sc, acc);
 }
 
 // dq rows, den, c and the dbeta partial of query tile m. Expects: sp / sm, u, dO of the tile; the state

@@ -273,6 +273,53 @@ __device__ __forceinline__ void scores(const __half* a, const __half* b, float (
   }
 }
 
+// A registers of k-step kk (columns 16 kk .. 16 kk + 15) of x, the warp's 16 rows in the C layout, each value
+// times scale[its row half] and split in two T halves: x scale = hi + lo. A register r: n-tile 2 kk + r / 2,
+// elements 2 (r % 2) + {0, 1}.
+template <typename T, int NT>
+__device__ __forceinline__ void split_a(const float (&x)[NT][4], int kk, const float (&scale)[2], uint32_t (&hi)[4],
+                                        uint32_t (&lo)[4]) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const float x0 = x[2 * kk + r / 2][2 * (r % 2)] * scale[r % 2];
+    const float x1 = x[2 * kk + r / 2][2 * (r % 2) + 1] * scale[r % 2];
+    T h0, l0, h1, l1;
+    mma::split<T>(x0, h0, l0);
+    mma::split<T>(x1, h1, l1);
+    hi[r] = mma::pack2<T>(to_float(h0), to_float(h1));
+    lo[r] = mma::pack2<T>(to_float(l0), to_float(l1));
+  }
+}
+
+// acc += (sc masked to j <= i) [v, 1]: sc the warp's 16 query rows x the chunk's kC keys (C layout; tile m and
+// chunk kappa0 + m share their diagonal), in two T halves, times the chunk's vt tile.
+template <typename T, int D>
+__device__ __forceinline__ void masked_scores_times_v(const Tiles<T, D>& s, float (&sc)[kC / 8][4],
+                                                      float (&acc)[D / 8 + 1][4]) {
+  constexpr int kN = D / 8 + 1;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+  constexpr float kOne[2] = {1.f, 1.f};
+#pragma unroll
+  for (int n = 0; n < kC / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = r0 + g + (e >= 2 ? 8 : 0), j = n * 8 + 2 * t + (e & 1);
+      if (j > i) sc[n][e] = 0.f;
+    }
+#pragma unroll
+  for (int kk = 0; kk < kC / 16; ++kk) {
+    uint32_t hi[4], lo[4];
+    split_a<T>(sc, kk, kOne, hi, lo);
+#pragma unroll
+    for (int n = 0; n < kN; ++n) {
+      const T* vrow = s.vt + (n * 8 + g) * kT + kk * 16 + 2 * t;
+      const uint32_t b[2] = {mma::ld32(vrow), mma::ld32(vrow + 8)};
+      mma::m16n8k16(acc[n], hi, b, T{});
+      mma::m16n8k16(acc[n], lo, b, T{});
+    }
+  }
+}
+
 // [num, den] of one query tile (acc in the C layout; den in column D): phi(q) [A, z] from the state tile
 // (tf32), plus, when `intra`, the masked chunk product (phi(q) phi(k)^T masked to j <= i) [v, 1].
 template <typename T, int D>
@@ -295,33 +342,7 @@ __device__ __forceinline__ void tile_num(const Tiles<T, D>& s, bool intra, float
   if (intra) {
     float sc[kC / 8][4] = {};
     scores(s.phq, s.phk, sc);
-#pragma unroll
-    for (int n = 0; n < kC / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = r0 + g + (e >= 2 ? 8 : 0), j = n * 8 + 2 * t + (e & 1);
-        if (j > i) sc[n][e] = 0.f;  // tile m and chunk kappa0 + m share their diagonal
-      }
-#pragma unroll
-    for (int kk = 0; kk < kC / 16; ++kk) {
-      uint32_t hi[4], lo[4];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {  // A register r: scores of n-tile 2kk + r / 2, elements 2 (r % 2) + {0, 1}
-        const float x0 = sc[2 * kk + r / 2][2 * (r % 2)], x1 = sc[2 * kk + r / 2][2 * (r % 2) + 1];
-        T h0, l0, h1, l1;
-        mma::split<T>(x0, h0, l0);
-        mma::split<T>(x1, h1, l1);
-        hi[r] = mma::pack2<T>(to_float(h0), to_float(h1));
-        lo[r] = mma::pack2<T>(to_float(l0), to_float(l1));
-      }
-#pragma unroll
-      for (int n = 0; n < kN; ++n) {
-        const T* vrow = s.vt + (n * 8 + g) * kT + kk * 16 + 2 * t;
-        const uint32_t b[2] = {mma::ld32(vrow), mma::ld32(vrow + 8)};
-        mma::m16n8k16(acc[n], hi, b, T{});
-        mma::m16n8k16(acc[n], lo, b, T{});
-      }
-    }
+    masked_scores_times_v<T, D>(s, sc, acc);
   }
 }
 
