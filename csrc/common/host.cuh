@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/strides.cuh"
+
 namespace hfab {
 
 // `t` if kernels can read it with 16-byte vector loads (last dim contiguous, every other stride a
@@ -65,6 +67,19 @@ inline void check_key_padding_mask(const char* op, const at::Tensor& m, const at
 struct AutocastOff {
   c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
 };
+
+inline Strides strides_of(const at::Tensor& t) { return Strides{t.stride(0), t.stride(1), t.stride(2)}; }
+
+// Point a backend's Params at q, k, v (data and strides; the tensors must outlive the launch).
+template <typename P>
+inline void bind_qkv(P& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.sq = strides_of(q);
+  p.sk = strides_of(k);
+  p.sv = strides_of(v);
+}
 
 template <typename T> struct Tag { using type = T; };
 

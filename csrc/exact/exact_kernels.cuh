@@ -19,6 +19,7 @@
 // Pure CUDA: NVRTC compiles this header for sm_60/sm_70 (scripts/nvrtc_check.py).
 #pragma once
 
+#include "common/strides.cuh"
 #include "common/tile.cuh"
 
 namespace hfab {
@@ -26,10 +27,6 @@ namespace exact {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-struct Strides {
-  long long b, h, n;  // in elements; the head dim is contiguous
-};
 
 // Everything a launch needs; pointers to 16-byte aligned data (the host makes sure).
 struct Params {

@@ -40,8 +40,6 @@ struct Inputs {
   Params p{};
 };
 
-inline Strides strides_of(const at::Tensor& t) { return Strides{t.stride(0), t.stride(1), t.stride(2)}; }
-
 inline int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -104,12 +102,7 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
     p.mask = reinterpret_cast<const unsigned char*>(in.mask.data_ptr());
     p.mask_stride = in.n;
   }
-  p.q = in.q.data_ptr();
-  p.k = in.k.data_ptr();
-  p.v = in.v.data_ptr();
-  p.sq = strides_of(in.q);
-  p.sk = strides_of(in.k);
-  p.sv = strides_of(in.v);
+  bind_qkv(p, in.q, in.k, in.v);
   p.hq = static_cast<int>(in.hq);
   p.hkv = static_cast<int>(in.hkv);
   p.groups = static_cast<int>(in.groups);

@@ -20,6 +20,7 @@
 //                                 memory, optionally saved for the backward), W = Z W0
 #pragma once
 
+#include "common/strides.cuh"
 #include "common/tile.cuh"
 
 namespace hfab {
@@ -27,10 +28,6 @@ namespace nystrom {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kThreads = 256;
-
-struct Strides {
-  long long b, h, n;  // in elements; the head dim is contiguous
-};
 
 // Everything a launch needs; q, k, v 16-byte readable (the host makes sure).
 struct Params {

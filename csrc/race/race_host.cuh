@@ -29,22 +29,10 @@ struct Inputs {
   Params p{};
 };
 
-inline Strides strides_of(const at::Tensor& t) { return Strides{t.stride(0), t.stride(1), t.stride(2)}; }
-
-// Point p at in.q, in.k, in.v (data and strides).
-inline void bind_qkv(const Inputs& in, Params& p) {
-  p.q = in.q.data_ptr();
-  p.k = in.k.data_ptr();
-  p.v = in.v.data_ptr();
-  p.sq = strides_of(in.q);
-  p.sk = strides_of(in.k);
-  p.sv = strides_of(in.v);
-}
-
 // The tensor-core kernels read q, k, v with 16-byte vectors: copy the inputs that cannot be, rebind p.
 inline void make_vector_readable(Inputs& in, Params& p) {
   for (at::Tensor* t : {&in.q, &in.k, &in.v}) *t = vector_readable(*t);
-  bind_qkv(in, p);
+  bind_qkv(p, in.q, in.k, in.v);
 }
 
 // `t` with a contiguous head dim (other strides are read as they are).
@@ -96,7 +84,7 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
     p.kpm = reinterpret_cast<const unsigned char*>(in.mask.data_ptr());
     p.kpm_stride = in.mask.size(1);
   }
-  bind_qkv(in, p);
+  bind_qkv(p, in.q, in.k, in.v);
   p.planes = in.planes.data_ptr<float>();
   p.beta = in.beta.data_ptr<float>();
   p.hq = static_cast<int>(hq);

@@ -28,6 +28,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "common/strides.cuh"
+
 namespace hfab {
 namespace race {
 
@@ -47,10 +49,6 @@ template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-
-struct Strides {
-  long long b, h, n;  // in elements; the head dim is contiguous
-};
 
 struct Params {
   const void* q;

@@ -18,8 +18,6 @@ struct Inputs {
   Params p{};
 };
 
-inline Strides strides_of(const at::Tensor& t) { return Strides{t.stride(0), t.stride(1), t.stride(2)}; }
-
 inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const std::optional<at::Tensor>& key_padding_mask, bool causal, double scale, double order) {
   const c10::Device device = q.device();
@@ -51,12 +49,7 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
     p.kpm_sb = m.stride(0);
     p.kpm_sn = m.stride(1);
   }
-  p.q = in.q.data_ptr();
-  p.k = in.k.data_ptr();
-  p.v = in.v.data_ptr();
-  p.sq = strides_of(in.q);
-  p.sk = strides_of(in.k);
-  p.sv = strides_of(in.v);
+  bind_qkv(p, in.q, in.k, in.v);
   p.hq = static_cast<int>(q.size(1));
   p.groups = static_cast<int>(q.size(1) / k.size(1));
   p.nq = static_cast<int>(q.size(2));

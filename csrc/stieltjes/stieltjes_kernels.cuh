@@ -24,16 +24,13 @@
 
 #include <cstdint>
 
+#include "common/strides.cuh"
 #include "common/tile.cuh"
 
 namespace hfab {
 namespace stieltjes {
 
 constexpr int kThreads = 128;
-
-struct Strides {
-  long long b, h, n;  // in elements; the head dim is contiguous
-};
 
 struct Params {
   const void* q;
