@@ -12,7 +12,8 @@ convert:   {backend: race, layers: null, options: {num_planes: 4, per_head_beta:
 calibrate: {enabled: true, batches: 2, race_betas: null, stieltjes_orders: null, stieltjes_temperatures: null,
             steps: 0, lr: 0.01}
 data:      {source: news | file.jsonl | file.txt | folder, documents: 256, eval_documents: 16, min_chars: 0,
-            text_field: text, seq_len: 256, batch_size: 8, eval_batch_size: 8, eval_unit: rows | sentences}
+            text_field: text, seq_len: 256, batch_size: 8, eval_batch_size: 8, train_unit: rows | sentences,
+            eval_unit: rows | sentences}
 transfer:  {steps: 100, lr: 0.01, train: []}        # train: extra parameter-name substrings, e.g. [q_proj]
 fine_tune: {steps: 200, lr: 1e-4, method: lora | full | none, lora_r: 8, lora_alpha: 16,
             lora_target_modules: [q_proj, k_proj, v_proj, o_proj], lm_weight: 1.0, kl_weight: 0.0,
@@ -67,9 +68,10 @@ class CalibrateSpec:
 
 @dataclass
 class DataSpec:
-    """Local text only; see ``finetune.data.load_documents`` for the accepted sources. ``eval_unit``: the held-out
-    documents cut into rows as for training (``rows``), or one row per sentence (``sentences``,
-    ``finetune.data.split_sentences``; a sentence longer than ``seq_len`` continues in the next row)."""
+    """Local text only; see ``finetune.data.load_documents`` for the accepted sources. ``train_unit`` (training
+    documents) and ``eval_unit`` (held-out documents): each document cut into rows of ``seq_len`` tokens
+    (``rows``), or one row per sentence (``sentences``, ``finetune.data.split_sentences``; a sentence longer
+    than ``seq_len`` continues in the next row)."""
     source: str = "news"
     documents: int = 64
     eval_documents: int = 8
@@ -78,6 +80,7 @@ class DataSpec:
     seq_len: int = 128
     batch_size: int = 4
     eval_batch_size: int = 4
+    train_unit: str = "rows"
     eval_unit: str = "rows"
 
 
@@ -145,7 +148,7 @@ class Recipe:
 
 DTYPES = ("float32", "bfloat16", "float16")
 METHODS = ("lora", "full", "none")
-EVAL_UNITS = ("rows", "sentences")
+TEXT_UNITS = ("rows", "sentences")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 
 
@@ -232,9 +235,10 @@ def _check(r: Recipe) -> None:
     _positive("calibrate.steps", r.calibrate.steps, zero_ok=True)
     for key in ("documents", "eval_documents", "seq_len", "batch_size", "eval_batch_size"):
         _positive(f"data.{key}", getattr(r.data, key))
-    if r.data.eval_unit not in EVAL_UNITS:
-        raise ConfigError(f"data.eval_unit={r.data.eval_unit!r} is not supported; supported: "
-                          f"{', '.join(EVAL_UNITS)}")
+    for key in ("train_unit", "eval_unit"):
+        if getattr(r.data, key) not in TEXT_UNITS:
+            raise ConfigError(f"data.{key}={getattr(r.data, key)!r} is not supported; supported: "
+                              f"{', '.join(TEXT_UNITS)}")
     if r.data.seq_len < 2:
         raise ConfigError(f"data.seq_len={r.data.seq_len} must be >= 2 (a next-token target needs two tokens)")
     _positive("data.min_chars", r.data.min_chars, zero_ok=True)
@@ -273,6 +277,8 @@ def _check(r: Recipe) -> None:
     if t.eval_batches is not None and (isinstance(t.eval_batches, bool) or not isinstance(t.eval_batches, int)
                                        or t.eval_batches < 1):
         raise ConfigError(f"train.eval_batches={t.eval_batches!r} must be null (all) or an int >= 1")
+    if t.mixed_precision is False:  # YAML 1.1 reads an unquoted `no` as false
+        t.mixed_precision = "no"
     if t.mixed_precision is not None and t.mixed_precision not in MIXED_PRECISION:
         raise ConfigError(f"train.mixed_precision={t.mixed_precision!r} is not supported; supported: null "
                           f"(from the accelerate config), {', '.join(MIXED_PRECISION)}")

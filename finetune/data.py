@@ -4,7 +4,8 @@
 ``seq_len`` tokens (a document longer than a row continues in the next row; its last, shorter row is
 padded on the right). A row holds tokens of exactly one document, so no packed row, restarting
 ``position_ids`` or cross-document attention can occur (the adapters refuse packed rows anyway).
-:func:`split_sentences` turns held-out documents into sentences, one row each, for sentence-level evaluation.
+:func:`split_sentences` and :func:`texts_in_unit` turn documents into sentences, one row each (the ``sentences``
+unit of ``data.train_unit`` / ``data.eval_unit``).
 The ``datasets`` package is not needed.
 """
 from __future__ import annotations
@@ -121,11 +122,21 @@ _SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')]))\s+(?=[\"'(]?[A-Z0-9
 def split_sentences(text: str) -> list[str]:
     """The sentences of ``text``: paragraphs (blank lines) cut after ``.``, ``!`` or ``?`` (and a closing quote or
     bracket) followed by whitespace and a capital letter, digit or currency sign. A heuristic (an abbreviation
-    such as "U.S. Army" also ends a sentence), for evaluation only; empty pieces are dropped."""
+    such as "U.S. Army" also ends a sentence); empty pieces are dropped."""
     sentences = []
     for paragraph in re.split(r"\n\s*\n", text):
         sentences.extend(piece.strip() for piece in _SENTENCE_END.split(paragraph.replace("\n", " ")))
     return [x for x in sentences if x]
+
+
+def texts_in_unit(documents: Sequence[str], unit: str) -> list[str]:
+    """The texts cut into rows for ``unit``: the documents themselves (``rows``) or their sentences in order
+    (``sentences``)."""
+    if unit == "rows":
+        return list(documents)
+    if unit == "sentences":
+        return [x for doc in documents for x in split_sentences(doc)]
+    raise ValueError(f"unit={unit!r} is not supported; supported: rows, sentences")
 
 
 def split_documents(documents: Sequence[str], eval_count: int) -> tuple[list[str], list[str]]:

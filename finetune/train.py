@@ -59,7 +59,7 @@ from hf_attention_backends.calibrate import TeacherForcing, calibrate, converted
 
 from .checkpoint import EpochSampler, check_compatible, read_state, resolve_resume, save_checkpoint
 from .config import ConfigError, Recipe, load_recipe
-from .data import RowDataset, load_documents, split_documents, split_sentences, tokenize_rows
+from .data import RowDataset, load_documents, split_documents, texts_in_unit, tokenize_rows
 from .logs import RunLog, plot_curves, stage_rank, tensorboard_writer_class
 from .models import load_model
 
@@ -304,9 +304,8 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     documents = load_documents(d.source, d.documents + d.eval_documents, min_chars=d.min_chars,
                                text_field=d.text_field)
     train_docs, eval_docs = split_documents(documents, d.eval_documents)
-    train_rows = RowDataset(tokenize_rows(train_docs, tokenizer, d.seq_len))
-    eval_texts = [x for doc in eval_docs for x in split_sentences(doc)] if d.eval_unit == "sentences" else eval_docs
-    eval_rows = RowDataset(tokenize_rows(eval_texts, tokenizer, d.seq_len))
+    train_rows = RowDataset(tokenize_rows(texts_in_unit(train_docs, d.train_unit), tokenizer, d.seq_len))
+    eval_rows = RowDataset(tokenize_rows(texts_in_unit(eval_docs, d.eval_unit), tokenizer, d.seq_len))
     # own generators: iterating a loader draws its base seed from them, not from the global RNG
     train_loader = torch.utils.data.DataLoader(train_rows, batch_size=d.batch_size,
                                                sampler=EpochSampler(len(train_rows), recipe.seed),
@@ -314,7 +313,7 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     eval_loader = torch.utils.data.DataLoader(eval_rows, batch_size=d.eval_batch_size,
                                               generator=torch.Generator().manual_seed(recipe.seed))
     log.event(event="data", train_rows=len(train_rows), eval_rows=len(eval_rows), train_documents=len(train_docs),
-              eval_documents=len(eval_docs), eval_unit=d.eval_unit)
+              eval_documents=len(eval_docs), train_unit=d.train_unit, eval_unit=d.eval_unit)
 
     c = recipe.convert
     student = hfab.convert(teacher, c.backend, c.layers, **c.options)

@@ -13,7 +13,7 @@ from transformers.modeling_outputs import BaseModelOutput
 import hf_attention_backends as hfab
 from hf_attention_backends.calibrate import TeacherForcing, converted_layers, forward_kwargs
 from finetune.config import ConfigError, Recipe, load_recipe, recipe_from_dict
-from finetune.data import (ByteTokenizer, encode, load_documents, split_documents, split_sentences,
+from finetune.data import (ByteTokenizer, encode, load_documents, split_documents, split_sentences, texts_in_unit,
                            tokenize_rows)
 from finetune.models import load_model
 from finetune.checkpoint import EpochSampler, check_compatible, list_checkpoints, resolve_resume
@@ -45,10 +45,17 @@ def test_shipped_recipes_validate(name):
     ({"calibrate": {"stieltjes_temperatures": [1.0]}}, r"needs convert.backend: stieltjes with options per_head_temp"),
     ({"train": {"save_every": -1}}, r"train.save_every=-1 must be >= 0"),
     ({"data": {"eval_unit": "words"}}, r"data.eval_unit='words' is not supported; supported: rows, sentences"),
+    ({"data": {"train_unit": "pages"}}, r"data.train_unit='pages' is not supported; supported: rows, sentences"),
 ])
 def test_config_validation_errors(data, match):
     with pytest.raises(ConfigError, match=match):
         recipe_from_dict(data)
+
+
+def test_unquoted_yaml_no_means_no_mixed_precision(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {name: tiny_llama}\ntrain: {mixed_precision: no}\n")
+    assert load_recipe(path).train.mixed_precision == "no"
 
 
 def test_rows_never_cross_documents():
@@ -82,11 +89,13 @@ def test_split_sentences_keeps_closing_quotes_and_numbers():
 
 
 def test_sentence_rows_hold_one_sentence_each():
-    doc = load_documents("news", 1)[0]
-    sentences = split_sentences(doc)
+    docs = load_documents("news", 2)
+    sentences = texts_in_unit(docs, "sentences")
+    assert sentences == split_sentences(docs[0]) + split_sentences(docs[1])
+    assert texts_in_unit(docs, "rows") == docs
     tok = ByteTokenizer()
     rows = tokenize_rows(sentences, tok, 1024)
-    assert len(rows["input_ids"]) == len(sentences) > 5
+    assert len(rows["input_ids"]) == len(sentences) > 10
     assert rows["attention_mask"].sum(1).tolist() == [len(encode(tok, x)) for x in sentences]
 
 
