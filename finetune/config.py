@@ -14,7 +14,8 @@ calibrate: {enabled: true, batches: 2, race_betas: null, stieltjes_orders: null,
 data:      {source: news | file.jsonl | file.txt | folder, documents: 256, eval_documents: 16, min_chars: 0,
             text_field: text, seq_len: 256, batch_size: 8, eval_batch_size: 8, train_unit: rows | sentences,
             eval_unit: rows | sentences}
-transfer:  {steps: 100, lr: 0.01, train: []}        # train: extra parameter-name substrings, e.g. [q_proj]
+transfer:  {steps: 100, lr: 0.01, train: [], train_lr: null}  # train: extra parameter-name substrings, e.g.
+                                                              # [q_proj]; train_lr: their lr (null = lr)
 fine_tune: {steps: 200, lr: 1e-4, method: lora | full | none, lora_r: 8, lora_alpha: 16,
             lora_target_modules: [q_proj, k_proj, v_proj, o_proj], lm_weight: 1.0, kl_weight: 0.0,
             hidden_weight: 0.0, embedding_weight: 0.0, temperature: 1.0, train_hfab: true}
@@ -86,10 +87,12 @@ class DataSpec:
 
 @dataclass
 class TransferSpec:
-    """Stage 1: train the ``hfab_*`` parameters (plus parameters whose name contains a ``train`` entry)."""
+    """Stage 1: train the ``hfab_*`` parameters (plus parameters whose name contains a ``train`` entry) at
+    ``lr``; ``train_lr``: the learning rate of the named (pretrained) parameters, ``None`` = ``lr``."""
     steps: int = 0
     lr: float = 1e-2
     train: list = field(default_factory=list)
+    train_lr: Optional[float] = None
 
 
 @dataclass
@@ -248,6 +251,11 @@ def _check(r: Recipe) -> None:
         _positive(f"{stage}.lr", spec.lr)
     if not all(isinstance(name, str) and name for name in r.transfer.train):
         raise ConfigError(f"transfer.train={r.transfer.train!r} must be a list of parameter-name substrings")
+    if r.transfer.train_lr is not None:
+        _positive("transfer.train_lr", r.transfer.train_lr)
+        if not r.transfer.train:
+            raise ConfigError(f"transfer.train_lr={r.transfer.train_lr!r} has no parameter to act on: "
+                              "transfer.train is empty")
     ft = r.fine_tune
     if ft.method not in METHODS:
         raise ConfigError(f"fine_tune.method={ft.method!r} is not supported; supported: {', '.join(METHODS)}")

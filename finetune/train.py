@@ -172,10 +172,24 @@ def trainable(model, names=(), within=None) -> list:
     return params
 
 
+def lr_groups(model, params: list, named_lr: Optional[float]) -> list:
+    """``params`` as AdamW parameter groups: the ``hfab_*`` parameters at the stage's learning rate and the
+    others (those a ``transfer.train`` entry named) at ``named_lr``; ``None``: ``params`` unchanged (one lr)."""
+    if named_lr is None:
+        return params
+    chosen = {id(p) for p in params}
+    added, named = [], []
+    for name, p in model.named_parameters():
+        if id(p) in chosen:
+            (added if name.rsplit(".", 1)[-1].startswith("hfab_") else named).append(p)
+    return [g for g in ({"params": added}, {"params": named, "lr": named_lr}) if g["params"]]
+
+
 def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: int, lr: float, recipe: Recipe,
               log: Optional[RunLog], evaluate_fn, *, save: Optional[Callable[[dict], None]] = None,
               resume: Optional[tuple[Path, dict]] = None) -> tuple[object, list[float]]:
-    """``steps`` optimizer steps of AdamW on ``params`` minimising ``loss_fn(wrapped_model, batch)``.
+    """``steps`` optimizer steps of AdamW on ``params`` (tensors, or groups from :func:`lr_groups`) minimising
+    ``loss_fn(wrapped_model, batch)``.
 
     Warm-up + cosine schedule, clipping at ``train.clip`` (0 = none; the gradient norm is logged either way),
     ``train.grad_accum`` micro-batches per step; every ``train.log_every`` steps a log row (loss averaged over
@@ -361,7 +375,9 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     model = student
     start = stage_rank(state["stage"]) if state is not None else 0
     if recipe.transfer.steps and start <= stage_rank("transfer"):
-        params = trainable(student, recipe.transfer.train, within=[m for _, m in converted_layers(student)])
+        params = lr_groups(student, trainable(student, recipe.transfer.train,
+                                              within=[m for _, m in converted_layers(student)]),
+                           recipe.transfer.train_lr)
         with TeacherForcing(student) as forcing:
             def transfer_loss(wrapped, batch):
                 forcing.token_mask, forcing.terms = batch["attention_mask"], {}

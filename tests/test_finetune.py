@@ -18,7 +18,7 @@ from finetune.data import (ByteTokenizer, encode, load_documents, split_document
 from finetune.models import load_model
 from finetune.checkpoint import EpochSampler, check_compatible, list_checkpoints, resolve_resume
 from finetune.logs import CSV_COLUMNS, RunLog, read_csv
-from finetune.train import embedding_loss, next_token_nll, run, run_stage, trainable
+from finetune.train import embedding_loss, lr_groups, next_token_nll, run, run_stage, trainable
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "finetune" / "tiny_smoke.yaml"
@@ -45,6 +45,8 @@ def test_shipped_recipes_validate(name):
     ({"calibrate": {"stieltjes_temperatures": [1.0]}}, r"needs convert.backend: stieltjes with options per_head_temp"),
     ({"train": {"save_every": -1}}, r"train.save_every=-1 must be >= 0"),
     ({"data": {"eval_unit": "words"}}, r"data.eval_unit='words' is not supported; supported: rows, sentences"),
+    ({"transfer": {"train_lr": 1e-4}}, r"transfer.train_lr=0.0001 has no parameter to act on: transfer.train is emp"),
+    ({"transfer": {"train": ["q_proj"], "train_lr": 0}}, r"transfer.train_lr=0 must be > 0"),
     ({"data": {"train_unit": "pages"}}, r"data.train_unit='pages' is not supported; supported: rows, sentences"),
 ])
 def test_config_validation_errors(data, match):
@@ -214,6 +216,25 @@ def test_transfer_trains_named_parameters_of_converted_layers_only():
         "hfab_" in n for n, _ in student.named_parameters()), names
     trainable(student, ["k_proj"])
     assert student.get_parameter("model.layers.0.self_attn.k_proj.weight").requires_grad
+
+
+def test_named_parameters_take_their_own_learning_rate():
+    model, tok, _ = load_model("tiny_llama")
+    student = hfab.convert(model, "race", num_planes=2, num_tables=2, per_head_beta=True)
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    groups = lr_groups(student, trainable(student, ["k_proj"]), 1e-5)
+    assert [len(g["params"]) for g in groups] == [2, 2] and "lr" not in groups[0] and groups[1]["lr"] == 1e-5
+
+    def loss_fn(wrapped, batch):
+        return wrapped(**forward_kwargs(student, batch)).logits.float().pow(2).mean()
+
+    run_stage("transfer", Accelerator(cpu=True), student, groups, loss_fn, loader(tok, n=4), 1, 0.1, Recipe(),
+              None, None)
+    moved = {n: (p.detach() - before[n]).abs().max().item() for n, p in student.named_parameters()}
+    # Adam's first step moves every parameter with a gradient by its learning rate
+    assert all(0.09 < moved[n] <= 0.1 + 1e-6 for n in moved if "hfab_beta" in n), moved
+    assert all(5e-6 < moved[n] <= 1e-5 + 1e-9 for n in moved if "k_proj" in n), moved
+    assert all(moved[n] == 0 for n in moved if "q_proj" in n), moved
 
 
 def test_stage_without_trainable_parameters_is_refused():
