@@ -157,6 +157,11 @@ def evaluate(accelerator, model, teacher, loader, causal: bool, max_batches=None
     return {"cosine": cos / max(rows, 1)} if teacher is not None and teacher is not model else {}
 
 
+def is_added(name: str) -> bool:
+    """Whether parameter ``name`` is one the conversion added (``hfab_*``)."""
+    return name.rsplit(".", 1)[-1].startswith("hfab_")
+
+
 def trainable(model, names=(), within=None) -> list:
     """Freeze ``model`` except ``hfab_*`` parameters and those whose name contains one of ``names``; with
     ``within`` (modules), only the named parameters inside those modules (attention transfer: the converted
@@ -165,7 +170,7 @@ def trainable(model, names=(), within=None) -> list:
     params = []
     for name, p in model.named_parameters():
         named = any(n in name for n in names) and (allowed is None or id(p) in allowed)
-        keep = name.rsplit(".", 1)[-1].startswith("hfab_") or named
+        keep = is_added(name) or named
         p.requires_grad_(keep)
         if keep:
             params.append(p)
@@ -181,7 +186,7 @@ def lr_groups(model, params: list, named_lr: Optional[float]) -> list:
     added, named = [], []
     for name, p in model.named_parameters():
         if id(p) in chosen:
-            (added if name.rsplit(".", 1)[-1].startswith("hfab_") else named).append(p)
+            (added if is_added(name) else named).append(p)
     return [g for g in ({"params": added}, {"params": named, "lr": named_lr}) if g["params"]]
 
 
@@ -406,7 +411,7 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
             model = get_peft_model(model, LoraConfig(r=ft.lora_r, lora_alpha=ft.lora_alpha, lora_dropout=0.0,
                                                      target_modules=list(ft.lora_target_modules)))
         for name, p in model.named_parameters():
-            is_hfab = name.rsplit(".", 1)[-1].startswith("hfab_")
+            is_hfab = is_added(name)
             if ft.method == "full":
                 p.requires_grad_(True if not is_hfab else ft.train_hfab)
             elif is_hfab:
