@@ -149,29 +149,84 @@ __device__ __forceinline__ void project(const Params& p, const T* tile, const T*
     }
 }
 
+// Features bucket0 .. bucket0 + 2^Q - 1 of one table and row, whose first P - Q planes are fixed (their product
+// is `start`): val[i] = start * prod_t (bit Q-1-t of i ? sp[t] : sm[t]), built plane by plane (t = 0 is the top
+// bit). Each product has the same factors in the same order as the plain loop over all P planes from 1, so
+// the values are identical to it, bit for bit.
+template <int Q>
+__device__ __forceinline__ void table_features(const float* sp, const float* sm, float start, float (&val)[1 << Q]) {
+  val[0] = start;
+#pragma unroll
+  for (int t = 0; t < Q; ++t) {
+#pragma unroll
+    for (int i = (1 << Q) / 2 - 1; i >= 0; --i) {  // descending: val[i] is read before 2i, 2i + 1 are written
+      if (i >= (1 << t)) continue;  // a constant trip count, so both loops unroll and val stays in registers
+      val[2 * i + 1] = val[i] * sp[t];
+      val[2 * i] = val[i] * sm[t];
+    }
+  }
+}
+
+// features() for P planes per table. An item is 2^Q consecutive features (Q = min(P, 4): at most 16 values in
+// registers) of one row: the product of its first P - Q planes, then table_features. A warp takes 32
+// consecutive rows of one item, so the transposed pkt stores of a feature are 64 contiguous bytes.
+template <typename T, int P>
+__device__ __forceinline__ void features_p(const Params& p, const int* ok, const float* sp, const float* sm,
+                                           __half* phi, T* pkt) {
+  constexpr int Q = P < 4 ? P : 4;
+  constexpr int R = 1 << Q;
+  for (int e = threadIdx.x; e < kC * (kS / R); e += kThreads) {
+    const int r = e % kC, item = e / kC;  // features [item R, item R + R)
+    const int l = item >> (P - Q), top = item & ((1 << (P - Q)) - 1);
+    float val[R];
+    if (l < p.tables && ok[r]) {
+      const float* pos = sp + r * kLPMax + l * P;
+      const float* neg = sm + r * kLPMax + l * P;
+      float start = 1.f;
+#pragma unroll
+      for (int t = 0; t < P - Q; ++t) start *= ((top >> (P - Q - 1 - t)) & 1) ? pos[t] : neg[t];
+      table_features<Q>(pos + P - Q, neg + P - Q, start, val);
+    } else {
+#pragma unroll
+      for (int i = 0; i < R; ++i) val[i] = 0.f;
+    }
+    if (phi != nullptr) {
+      __half* row = phi + r * kT + item * R;
+      if constexpr (R >= 8) {  // 16-byte stores: 8 rows per phase hit 32 distinct banks (row stride kT)
+#pragma unroll
+        for (int i = 0; i < R; i += 8)
+          *reinterpret_cast<uint4*>(row + i) =
+              make_uint4(mma::pack2<__half>(val[i], val[i + 1]), mma::pack2<__half>(val[i + 2], val[i + 3]),
+                         mma::pack2<__half>(val[i + 4], val[i + 5]), mma::pack2<__half>(val[i + 6], val[i + 7]));
+      } else {
+#pragma unroll
+        for (int i = 0; i < R; i += 2) *reinterpret_cast<uint32_t*>(row + i) = mma::pack2<__half>(val[i], val[i + 1]);
+      }
+    }
+    if (pkt != nullptr) {
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        T hi, lo;
+        mma::split<T>(val[i], hi, lo);
+        pkt[(item * R + i) * kT + r] = hi;
+        pkt[(kS + item * R + i) * kT + r] = lo;
+      }
+    }
+  }
+}
+
 // phi[r][s] (fp16, row-major) and, when pkt is not null, phi in T halves transposed (pkt[s][r] hi, then lo).
 // 0 for s >= S and rows with ok = 0.
 template <typename T>
 __device__ __forceinline__ void features(const Params& p, const int* ok, const float* sp, const float* sm,
                                          __half* phi, T* pkt) {
-  const int P = p.planes_per_table;
-  for (int e = threadIdx.x; e < kS * kC; e += kThreads) {
-    const int r = e / kS, s = e % kS;  // a warp reads one row's table entries (broadcasts)
-    float val = 0.f;
-    if (s < p.features && ok[r]) {
-      const int l = s >> P, bucket = s & ((1 << P) - 1);
-      const float* pos = sp + r * kLPMax + l * P;
-      const float* neg = sm + r * kLPMax + l * P;
-      val = 1.f;
-      for (int t = 0; t < P; ++t) val *= ((bucket >> (P - 1 - t)) & 1) ? pos[t] : neg[t];
-    }
-    if (phi != nullptr) phi[r * kT + s] = __float2half_rn(val);
-    if (pkt != nullptr) {
-      T hi, lo;
-      mma::split<T>(val, hi, lo);
-      pkt[s * kT + r] = hi;
-      pkt[(kS + s) * kT + r] = lo;
-    }
+  switch (p.planes_per_table) {  // the host admits 1 <= P <= 6 here (S = L 2^P <= 64)
+    case 1: features_p<T, 1>(p, ok, sp, sm, phi, pkt); break;
+    case 2: features_p<T, 2>(p, ok, sp, sm, phi, pkt); break;
+    case 3: features_p<T, 3>(p, ok, sp, sm, phi, pkt); break;
+    case 4: features_p<T, 4>(p, ok, sp, sm, phi, pkt); break;
+    case 5: features_p<T, 5>(p, ok, sp, sm, phi, pkt); break;
+    default: features_p<T, 6>(p, ok, sp, sm, phi, pkt); break;
   }
 }
 
