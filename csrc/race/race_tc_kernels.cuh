@@ -377,7 +377,8 @@ __device__ __forceinline__ void masked_scores_times_v(const Tiles<T, D>& s, floa
 
 // [num, den] of one query tile (acc in the C layout; den in column D): phi(q) [A, z] from the state tile
 // (tf32), plus, when `intra`, the masked chunk product (phi(q) phi(k)^T masked to j <= i) [v, 1].
-template <typename T, int D>
+// kTf32State: the state tile already holds tf32-rounded values (load_state's round_tf32), so no cvt per use.
+template <typename T, int D, bool kTf32State = false>
 __device__ __forceinline__ void tile_num(const Tiles<T, D>& s, bool intra, float (&acc)[D / 8 + 1][4]) {
   constexpr int kX = D + 8;
   constexpr int kN = D / 8 + 1;
@@ -390,7 +391,8 @@ __device__ __forceinline__ void tile_num(const Tiles<T, D>& s, bool intra, float
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
       const float* col = s.st + (kk * 8 + t) * kX + n * 8 + g;
-      const uint32_t b[2] = {mma::to_tf32(col[0]), mma::to_tf32(col[4 * kX])};
+      const uint32_t b[2] = {kTf32State ? __float_as_uint(col[0]) : mma::to_tf32(col[0]),
+                             kTf32State ? __float_as_uint(col[4 * kX]) : mma::to_tf32(col[4 * kX])};
       mma::m16n8k8_tf32(acc[n], a, b);
     }
   }
@@ -402,12 +404,12 @@ __device__ __forceinline__ void tile_num(const Tiles<T, D>& s, bool intra, float
 }
 
 // out rows [row0, row0 + 64) of one query tile: out = num / den (tile_num).
-template <typename T, int D>
+template <typename T, int D, bool kTf32State = false>
 __device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, bool intra, int row0, T* out) {
   constexpr int kN = D / 8 + 1;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
   float acc[kN][4] = {};
-  tile_num<T, D>(s, intra, acc);
+  tile_num<T, D, kTf32State>(s, intra, acc);
   const int quad = lane & ~3;  // den = column D, held by the quad's t = 0 lane
   const float den0 = __shfl_sync(0xffffffffu, acc[kN - 1][0], quad);
   const float den1 = __shfl_sync(0xffffffffu, acc[kN - 1][2], quad);
@@ -441,22 +443,24 @@ __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, 
   __syncthreads();
 }
 
-// One state (A (S, D), z (S)) into s.st: [feature][d] fp32, z in column D, zeros elsewhere.
+// One state (A (S, D), z (S)) into s.st: [feature][d] fp32, z in column D, zeros elsewhere; round_tf32: each
+// value rounded to tf32 (as tile_num would round it at every use) for a state that is only read.
 template <typename T, int D>
-__device__ void load_state(const Params& p, const float* A, const float* z, Tiles<T, D>& s) {
+__device__ void load_state(const Params& p, const float* A, const float* z, Tiles<T, D>& s, bool round_tf32 = false) {
   constexpr int kX = D + 8;
   for (int e = threadIdx.x; e < kS * kX; e += kThreads) {
     const int f = e / kX, d = e % kX;
     float val = 0.f;
     if (f < p.features) val = d < D ? A[(long long)f * D + d] : (d == D ? z[f] : 0.f);
-    s.st[e] = val;
+    s.st[e] = round_tf32 ? __uint_as_float(mma::to_tf32(val)) : val;
   }
 }
 
 // Key-state slot `slot` of (b, h) into s.st.
 template <typename T, int D>
-__device__ void load_state(const Params& p, long long bh, int slot, Tiles<T, D>& s) {
-  load_state<T, D>(p, p.kstate + (bh * (p.ngk + 1) + slot) * p.features * D, p.kz + (bh * (p.ngk + 1) + slot) * p.features, s);
+__device__ void load_state(const Params& p, long long bh, int slot, Tiles<T, D>& s, bool round_tf32 = false) {
+  load_state<T, D>(p, p.kstate + (bh * (p.ngk + 1) + slot) * p.features * D, p.kz + (bh * (p.ngk + 1) + slot) * p.features, s,
+                   round_tf32);
 }
 
 // s.st += phi(k)^T [v, 1] of the chunk in pkt / vt (the caller has a barrier after the last reader of st).
@@ -492,11 +496,12 @@ __global__ void __launch_bounds__(kThreads) race_group_out_fwd_kernel(const Para
   const int end = min(p.causal ? p.nkc : p.nqt, first + kGroup);
   if (p.causal && end - 1 < p.kappa0) return;  // only keys before the first query: no tile to write
   init_constants<T, D>(p, s);
-  load_state<T, D>(p, hd.bh, p.causal ? grp : p.ngk, s);  // before this group (causal) or the total
+  // before this group (causal: fp32, it grows) or the total (non-causal: read only, so rounded once)
+  load_state<T, D>(p, hd.bh, p.causal ? grp : p.ngk, s, !p.causal);
   if (!p.causal) {
     for (int m = first; m < end; ++m) {
       query_tile<T, D>(p, hd, m, s);
-      tile_out<T, D>(p, s, false, m * kC, out);
+      tile_out<T, D, true>(p, s, false, m * kC, out);
     }
     return;
   }
