@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_attention_backends  # noqa: F401  (imported at collection, not inside the first test's timing)
-from benchmarks import ptxas_report, registry, report, run, timing
+from benchmarks import ptxas_report, registry, report, run, sass_report, timing
 from benchmarks.registry import Case, Provider
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -277,6 +277,56 @@ def test_ptxas_report_parses_registers_and_spills(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "ptxas: 2 kernel x arch entries, 1 with spills"
     assert len(out) == 2 and "sm_80" in out[1] and "255 regs" in out[1] and "40/36" in out[1]
+
+
+KERNEL_SOURCE = """\
+// a helper
+__device__ __forceinline__ float helper(float x) {
+  return x * 2.f;
+}
+
+template <int D>
+__global__ void __launch_bounds__(128, 1) my_kernel(const float* p) {
+  const float y = helper(p[0]);
+}
+"""
+
+
+def kernel_sass(path):
+    return f"""\
+.text._Z5otherv:
+        /*0000*/                   EXIT ;
+.text._Z9my_kernelILi64EEvPKf:
+\t//## File "{path}", line 8
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+\t//## File "{path}", line 3 inlined at "{path}", line 9
+\t//## File "{path}", line 9
+        /*0020*/                   FADD R2, R0, R0 ;
+        /*0030*/              @!P0 FMUL.FTZ R2, R2, 2 ;
+\t//## File "{path}", line 9
+        /*0040*/                   STG.E desc[UR4][R4.64], R2 ;
+.text._Z5afterv:
+        /*0000*/                   EXIT ;
+"""
+
+
+def test_sass_report_counts_instructions_by_innermost_function(tmp_path, capsys):
+    src = tmp_path / "kernels.cuh"
+    src.write_text(KERNEL_SOURCE)
+    assert sass_report.function_starts(KERNEL_SOURCE) == [(2, "helper"), (7, "my_kernel")]
+    positions = sass_report.kernel_positions(kernel_sass(src), "my_kernel")
+    assert [(line, op) for _, line, op in positions] == [(8, "LDC"), (8, "S2R"), (3, "FADD"), (3, "FMUL"), (9, "STG")]
+    assert sass_report.count(positions) == {"kernels.cuh:my_kernel": 3, "kernels.cuh:helper": 2}
+    assert sass_report.count(positions, by_line=True) == {"kernels.cuh:8": 2, "kernels.cuh:3": 2, "kernels.cuh:9": 1}
+    sass = tmp_path / "k.sass"
+    sass.write_text(kernel_sass(src))
+    sass_report.main([str(sass), "my_kernel"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "my_kernel: 5 instructions with a source position"
+    assert out[1].split() == ["3", "kernels.cuh:my_kernel"] and out[2].split() == ["2", "kernels.cuh:helper"]
+    with pytest.raises(ValueError, match="no .text section"):
+        sass_report.kernel_positions(kernel_sass(src), "missing_kernel")
 
 
 def test_gpu_check_script_is_valid_bash():
