@@ -63,8 +63,7 @@ def kernel_positions(sass: str, kernel: str) -> list[tuple[str, int, str]]:
     return out
 
 
-def count(positions: list[tuple[str, int, str]], by_line: bool = False,
-          read=lambda path: Path(path).read_text()) -> collections.Counter:
+def count(positions: list[tuple[str, int, str]], by_line: bool = False) -> collections.Counter:
     """Instructions per `file:function` (or `file:line` with by_line)."""
     starts: dict[str, list[tuple[int, str]]] = {}
     counts: collections.Counter = collections.Counter()
@@ -75,7 +74,7 @@ def count(positions: list[tuple[str, int, str]], by_line: bool = False,
             continue
         if path not in starts:
             try:
-                starts[path] = function_starts(read(path))
+                starts[path] = function_starts(Path(path).read_text())
             except OSError:
                 starts[path] = []
         func = next((f for number, f in reversed(starts[path]) if number <= line), "?")
