@@ -23,9 +23,14 @@ train:     {grad_accum: 1, warmup_steps: 0, clip: 1.0, weight_decay: 0.0, mixed_
             log_every: 10, eval_every: 0, eval_batches: null, gradient_checkpointing: false,
             save_every: 0, keep_checkpoints: 2, tensorboard: false, plot: true}
 ```
+
+A recipe can be changed from the command line without copying it: ``--set section.key=value`` (repeatable;
+the value is read as YAML, so ``3e-4``, ``true``, ``null`` and ``[q_proj, k_proj]`` work; a deeper path such as
+``convert.options.num_tables=8`` reaches the backend options). See :func:`apply_overrides`.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,14 +160,49 @@ TEXT_UNITS = ("rows", "sentences")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 
 
-def load_recipe(path) -> Recipe:
-    """Read and validate a YAML recipe; ConfigError for anything malformed."""
+def load_recipe(path, overrides=()) -> Recipe:
+    """Read a YAML recipe, apply ``overrides`` (``"section.key=value"`` strings, see :func:`apply_overrides`) and
+    validate it; ConfigError for anything malformed."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config={str(path)!r} is not a file")
     with open(path) as f:
         data = yaml.safe_load(f) or {}
-    return recipe_from_dict(data)
+    return recipe_from_dict(apply_overrides(data, overrides))
+
+
+def apply_overrides(data: Any, overrides) -> Any:
+    """``data`` (a parsed recipe) with each ``"dotted.path=value"`` of ``overrides`` set in order; the value is
+    parsed as YAML (``"fine_tune.lr=3e-4"``, ``"transfer.train=[q_proj]"``, ``"calibrate.race_betas=null"``).
+    Missing sections are created; unknown keys are left to :func:`recipe_from_dict`, which names them.
+    ConfigError for an entry without ``=``, an empty path component, or a path through a non-mapping value."""
+    overrides = list(overrides or ())
+    if not overrides:
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe must be a mapping, got {type(data).__name__} ({data!r})")
+    data = copy.deepcopy(data)
+    for entry in overrides:
+        path, sep, text = str(entry).partition("=")
+        keys = path.strip().split(".")
+        if not sep or not all(k.strip() for k in keys):
+            raise ConfigError(f"--set {entry!r}: expected section.key=value, e.g. fine_tune.lr=3e-4")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {entry!r}: the value is not valid YAML ({e})") from None
+        node = data
+        for depth, key in enumerate(keys[:-1]):
+            key = key.strip()
+            child = node.setdefault(key, {})
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                where = ".".join(k.strip() for k in keys[:depth + 1])
+                raise ConfigError(f"--set {entry!r}: {where} is {child!r}, not a mapping")
+            node = child
+        node[keys[-1].strip()] = value
+    return data
 
 
 def recipe_from_dict(data: Any) -> Recipe:
@@ -199,6 +239,8 @@ def _typed(key: str, value, default, annotation: str):
     want = type(default) if default is not None else None
     if want is None:  # Optional fields: checked in _check
         return value
+    if want is float and isinstance(value, str):
+        value = _yaml11_float(value)
     if want is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if want is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -206,6 +248,14 @@ def _typed(key: str, value, default, annotation: str):
     if not isinstance(value, want):
         raise ConfigError(f"{key} must be a {want.__name__}, got {type(value).__name__} ({value!r})")
     return value
+
+
+def _yaml11_float(text: str):
+    """``float(text)`` for numbers PyYAML (YAML 1.1) leaves as strings, such as ``3e-4`` (no dot); else ``text``."""
+    try:
+        return float(text) if text.strip().lower() not in ("nan", "inf", "-inf", "+inf", "infinity") else text
+    except ValueError:
+        return text
 
 
 def _positive(key: str, value, zero_ok: bool = False):

@@ -42,6 +42,7 @@ if __name__ == "__main__" and not __package__:  # `python finetune/train.py`: ru
     sys.exit(main())
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -313,6 +314,7 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     log = RunLog(out_dir, accelerator.is_main_process, tensorboard=t.tensorboard,
                  resume_at=None if state is None else (state["stage"], state["step"]),
                  elapsed_before=0.0 if state is None else state["elapsed_s"])
+    log.event(event="recipe", recipe=dataclasses.asdict(recipe))  # as run: after --set overrides
     if state is not None:
         log.event(event="resume", checkpoint=str(resume_path), stage=state["stage"], step=state["step"])
 
@@ -479,8 +481,11 @@ def main(argv=None) -> int:
     parser.add_argument("--resume", metavar="DIR|latest",
                         help="continue from a checkpoint folder (<output_dir>/checkpoints/<stage>-<step>) or the "
                              "newest one under output_dir")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="change one recipe value (YAML), repeatable: --set fine_tune.lr=3e-4 "
+                             "--set convert.options.num_tables=8")
     args = parser.parse_args(argv)
-    recipe = load_recipe(args.config)
+    recipe = load_recipe(args.config, args.overrides)
     if args.output_dir:
         recipe.output_dir = args.output_dir
     run(recipe, resume=args.resume)

@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--resume", metavar="DIR|latest",
                           help="continue from a checkpoint folder (<output_dir>/checkpoints/<stage>-<step>) or the "
                                "newest one under output_dir")
+    finetune.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                          help="change one recipe value (YAML), repeatable: --set fine_tune.lr=3e-4 "
+                               "--set convert.options.num_tables=8")
     finetune.set_defaults(func=run_finetune)
     return parser
 
@@ -150,7 +153,7 @@ def run_finetune(args) -> int:
     train = finetune_module()
     print(f"hfab finetune: one process on {'cuda' if torch.cuda.is_available() else 'cpu'}. {FINETUNE_LAUNCH}",
           file=sys.stderr)
-    recipe = train.load_recipe(args.config)
+    recipe = train.load_recipe(args.config, args.overrides)
     if args.output_dir:
         recipe.output_dir = args.output_dir
     summary = train.run(recipe, resume=args.resume)

@@ -54,10 +54,46 @@ def test_config_validation_errors(data, match):
         recipe_from_dict(data)
 
 
+def test_overrides_set_values_at_any_depth(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {name: tiny_llama}\nconvert: {backend: race, options: {num_planes: 4}}\n"
+                    "fine_tune: {lr: 0.0001}\n")
+    recipe = load_recipe(path, ["fine_tune.lr=3e-4", "convert.options.num_tables=8", "transfer.train=[q_proj]",
+                                "data.train_unit=sentences", "seed=7", "calibrate.race_betas=null"])
+    assert recipe.fine_tune.lr == 3e-4 and recipe.seed == 7 and recipe.transfer.train == ["q_proj"]
+    assert recipe.convert.options == {"num_planes": 4, "num_tables": 8}
+    assert recipe.data.train_unit == "sentences" and recipe.calibrate.race_betas is None
+    assert load_recipe(path).fine_tune.lr == 1e-4, "the file is not changed"
+
+
+@pytest.mark.parametrize("override, match", [
+    ("fine_tune.lr", r"--set 'fine_tune.lr': expected section.key=value"),
+    ("fine_tune..lr=1", r"--set 'fine_tune..lr=1': expected section.key=value"),
+    ("fine_tune.lr=[1", r"--set 'fine_tune.lr=\[1': the value is not valid YAML"),
+    ("seed.x=1", r"--set 'seed.x=1': seed is 0, not a mapping"),
+    ("fine_tune.lrr=1", r"unknown key\(s\) \['lrr'\] in fine_tune"),
+    ("fine_tune.steps=many", r"fine_tune.steps must be an int, got str"),
+])
+def test_override_errors_name_the_entry(tmp_path, override, match):
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {name: tiny_llama}\nseed: 0\n")
+    with pytest.raises(ConfigError, match=match):
+        load_recipe(path, [override])
+
+
 def test_unquoted_yaml_no_means_no_mixed_precision(tmp_path):
     path = tmp_path / "r.yaml"
     path.write_text("model: {name: tiny_llama}\ntrain: {mixed_precision: no}\n")
     assert load_recipe(path).train.mixed_precision == "no"
+
+
+def test_exponent_without_dot_is_a_float(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("model: {name: tiny_llama}\nfine_tune: {lr: 3e-4}\ntransfer: {lr: 1E-2}\n")
+    recipe = load_recipe(path)  # PyYAML reads 3e-4 as a string
+    assert recipe.fine_tune.lr == 3e-4 and recipe.transfer.lr == 1e-2
+    with pytest.raises(ConfigError, match=r"fine_tune.lr must be a float, got str \('fast'\)"):
+        load_recipe(path, ["fine_tune.lr=fast"])
 
 
 def test_rows_never_cross_documents():
