@@ -27,6 +27,8 @@ if ! ls hf_attention_backends/_C*.so >/dev/null 2>&1; then
         python3 setup.py build_ext --inplace -j "$(nproc)" >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
     echo "built in $((SECONDS - start)) s"
 fi
+python3 -c "import hf_attention_backends.integrations" 2>/dev/null ||  # integrations/ maps into the package
+    HFAB_BUILD_CUDA=0 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$OUT/build.log" 2>&1
 python3 -c "from hf_attention_backends._ext import load_extension as l, extension_error as e; print(\"CUDA extension loaded:\", l(), e() or \"\")" 2>&1 | tail -2
 
 pids=() names=()
