@@ -237,7 +237,9 @@ def _typed(key: str, value, default, annotation: str):
             return None
         raise ConfigError(f"{key} must not be null")
     want = type(default) if default is not None else None
-    if want is None:  # Optional fields: checked in _check
+    if want is None and "float" in str(annotation):  # Optional[float]
+        want = float
+    if want is None:  # other Optional fields: checked in _check
         return value
     if want is float and isinstance(value, str):
         value = _yaml11_float(value)

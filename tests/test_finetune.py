@@ -46,7 +46,8 @@ def test_shipped_recipes_validate(name):
     ({"train": {"save_every": -1}}, r"train.save_every=-1 must be >= 0"),
     ({"data": {"eval_unit": "words"}}, r"data.eval_unit='words' is not supported; supported: rows, sentences"),
     ({"transfer": {"train_lr": 1e-4}}, r"transfer.train_lr=0.0001 has no parameter to act on: transfer.train is emp"),
-    ({"transfer": {"train": ["q_proj"], "train_lr": 0}}, r"transfer.train_lr=0 must be > 0"),
+    ({"transfer": {"train": ["q_proj"], "train_lr": 0}}, r"transfer.train_lr=0.0 must be > 0"),
+    ({"transfer": {"train": ["q_proj"], "train_lr": "fast"}}, r"transfer.train_lr must be a float, got str"),
     ({"data": {"train_unit": "pages"}}, r"data.train_unit='pages' is not supported; supported: rows, sentences"),
 ])
 def test_config_validation_errors(data, match):
@@ -89,9 +90,10 @@ def test_unquoted_yaml_no_means_no_mixed_precision(tmp_path):
 
 def test_exponent_without_dot_is_a_float(tmp_path):
     path = tmp_path / "r.yaml"
-    path.write_text("model: {name: tiny_llama}\nfine_tune: {lr: 3e-4}\ntransfer: {lr: 1E-2}\n")
+    path.write_text("model: {name: tiny_llama}\nfine_tune: {lr: 3e-4}\ntransfer: {lr: 1E-2, train: [q_proj], "
+                    "train_lr: 1e-3}\n")
     recipe = load_recipe(path)  # PyYAML reads 3e-4 as a string
-    assert recipe.fine_tune.lr == 3e-4 and recipe.transfer.lr == 1e-2
+    assert recipe.fine_tune.lr == 3e-4 and recipe.transfer.lr == 1e-2 and recipe.transfer.train_lr == 1e-3
     with pytest.raises(ConfigError, match=r"fine_tune.lr must be a float, got str \('fast'\)"):
         load_recipe(path, ["fine_tune.lr=fast"])
 
