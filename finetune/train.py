@@ -163,6 +163,22 @@ def is_added(name: str) -> bool:
     return name.rsplit(".", 1)[-1].startswith("hfab_")
 
 
+def drop_unused(accelerator, model, params: list, loss_fn, batch) -> tuple:
+    """``params`` that receive a gradient from ``loss_fn(model, batch)`` (one probe forward/backward, RNG state
+    restored, gradients cleared), and the names of the others, which are frozen: DDP refuses parameters that
+    take no part in the loss (an encoder's pooler when the loss reads the last hidden state)."""
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), accelerator.autocast():
+        loss_fn(model, batch).backward()
+    used = [p for p in params if p.grad is not None]
+    names = {id(p): n for n, p in model.named_parameters()}
+    unused = [names.get(id(p), "?") for p in params if p.grad is None]
+    for p in params:
+        p.requires_grad_(p.grad is not None)
+        p.grad = None
+    return used, unused
+
+
 def trainable(model, names=(), within=None) -> list:
     """Freeze ``model`` except ``hfab_*`` parameters and those whose name contains one of ``names``; with
     ``within`` (modules), only the named parameters inside those modules (attention transfer: the converted
@@ -447,6 +463,11 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
                     loss = loss + ft.embedding_weight * embedding_loss(accelerator, out, ref, mask)
             return loss
 
+        first_rows = next(iter(torch.utils.data.DataLoader(train_rows, d.batch_size)))
+        params, unused = drop_unused(accelerator, model, params, finetune_loss,
+                                     {k: v.to(accelerator.device) for k, v in first_rows.items()})
+        if unused:
+            log.event(stage="fine_tune", frozen_unused=unused)
         model, losses = run_stage("fine_tune", accelerator, model, params, finetune_loss, train_loader, ft.steps,
                                   ft.lr, recipe, log, evaluate_fn, save=saver, resume=resume_for("fine_tune"))
         model = accelerator.unwrap_model(model)

@@ -4,14 +4,17 @@
 #
 #   OUT=/path LIMIT=540 bash scripts/finetune_device.sh RECIPE NAME "--set k=v ..." [NAME "--set ..."]...
 #
-# RECIPE: configs/finetune/<name>.yaml. Each NAME runs `finetune/train.py --config RECIPE <its --set flags>`
-# with output_dir runs/NAME; after the runs (or LIMIT seconds, default 540) $OUT/finetune.tgz holds each run's
-# log.csv, log.jsonl, summary.json, calibration.json, curves.png and stdout (NAME.out). The models come from
+# RECIPE: configs/finetune/<name>.yaml. Each NAME runs `$LAUNCH finetune/train.py --config RECIPE <its --set
+# flags>` with output_dir runs/NAME; after the runs (or LIMIT seconds, default 540) $OUT/finetune-<first
+# NAME>.tgz holds each run's log.csv, log.jsonl, summary.json, calibration.json, curves.png and stdout
+# (NAME.out). LAUNCH defaults to python3 (one process); e.g. LAUNCH="accelerate launch --config_file
+# configs/accelerate/multi_gpu.yaml" for DDP. BUILD=0 skips the CUDA build. The models come from
 # scripts/device_assets.sh (join / minilm) sourced by the caller before this script.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 OUT=${OUT:-$PWD/finetune_out}
 LIMIT=${LIMIT:-540}
+LAUNCH=${LAUNCH:-python3}
 mkdir -p "$OUT"
 if (( $# < 3 || ($# - 1) % 2 )); then
     echo "usage: scripts/finetune_device.sh RECIPE NAME \"--set k=v ...\" [NAME \"...\"]..." >&2
@@ -20,7 +23,7 @@ fi
 recipe=$1; shift
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
-if ! ls hf_attention_backends/_C*.so >/dev/null 2>&1; then
+if [[ ${BUILD:-1} != 0 ]] && ! ls hf_attention_backends/_C*.so >/dev/null 2>&1; then
     echo "== build (CUDA extension, sm_90)"
     start=$SECONDS
     CXX=/usr/bin/g++ CC=/usr/bin/gcc HFAB_CUDA_ARCHS=90 MAX_JOBS=$(nproc) HFAB_BUILD_CUDA=1 \
@@ -35,12 +38,12 @@ pids=() names=()
 while (( $# )); do
     name=$1 flags=$2; shift 2
     # shellcheck disable=SC2086  # the flags are meant to split
-    python3 finetune/train.py --config "$recipe" --output-dir "runs/$name" $flags >"$OUT/$name.out" 2>&1 &
+    $LAUNCH finetune/train.py --config "$recipe" --output-dir "runs/$name" $flags >"$OUT/$name.out" 2>&1 &
     pids+=($!) names+=("$name")
     echo "started $name: $flags"
 done
 deadline=$((SECONDS + LIMIT))
-while (( SECONDS < deadline )) && pgrep -f "finetune/train.py --config $recipe" >/dev/null; do sleep 5; done
+while (( SECONDS < deadline )) && pgrep -f "finetune/train.py --config $recipe --output-dir runs/" >/dev/null; do sleep 5; done
 for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
 wait
 files=()
@@ -51,4 +54,4 @@ for name in "${names[@]}"; do
     files+=("$name.out")
     echo "== $name"; grep -E '"final"|ppl|cosine' "runs/$name/summary.json" 2>/dev/null | head -5; tail -3 "$OUT/$name.out"
 done
-tar -C "$OUT" -czf "$OUT/finetune.tgz" "${files[@]}" && (cd "$OUT" && rm -f "${files[@]}")
+tar -C "$OUT" -czf "$OUT/finetune-${names[0]}.tgz" "${files[@]}" && (cd "$OUT" && rm -f "${files[@]}")
