@@ -18,7 +18,7 @@ from finetune.data import (ByteTokenizer, encode, load_documents, split_document
 from finetune.models import load_model
 from finetune.checkpoint import EpochSampler, check_compatible, list_checkpoints, resolve_resume
 from finetune.logs import CSV_COLUMNS, RunLog, read_csv
-from finetune.train import embedding_loss, lr_groups, next_token_nll, run, run_stage, trainable
+from finetune.train import drop_unused, embedding_loss, lr_groups, next_token_nll, run, run_stage, trainable
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "finetune" / "tiny_smoke.yaml"
@@ -219,6 +219,29 @@ def test_embedding_loss_is_one_minus_the_pooled_cosine():
     accelerator = Accelerator(cpu=True)
     assert float(embedding_loss(accelerator, out, ref, mask)) == pytest.approx(sum(expected) / 2, rel=1e-5)
     assert abs(float(embedding_loss(accelerator, out, out, mask))) < 1e-6
+
+
+def test_drop_unused_freezes_what_the_loss_never_reaches_and_keeps_rng_and_grads_clean():
+    teacher, tok, _ = load_model("tiny_bert", seed=1)
+    student = hfab.convert(load_model("tiny_bert")[0], "nystrom", num_landmarks=4, conv_kernel_size=3)
+    student.head = torch.nn.Linear(4, 4)  # like MiniLM's pooler: outside the embedding loss
+    accelerator = Accelerator(cpu=True)
+    student.requires_grad_(True)
+    params = list(student.parameters())
+    batch = next(iter(loader(tok, n=4)))
+
+    def loss_fn(wrapped, batch):
+        kwargs = forward_kwargs(student, batch)
+        with torch.no_grad():
+            ref = teacher(**kwargs)
+        return embedding_loss(accelerator, wrapped(**kwargs), ref, batch["attention_mask"])
+
+    rng = torch.get_rng_state()
+    used, unused = drop_unused(accelerator, student, params, loss_fn, batch)
+    assert sorted(unused) == ["head.bias", "head.weight"]
+    assert len(used) == len(params) - 2 and all(p.requires_grad for p in used)
+    assert not student.head.weight.requires_grad and not student.head.bias.requires_grad
+    assert all(p.grad is None for p in params) and torch.equal(torch.get_rng_state(), rng)
 
 
 def test_embedding_loss_trains_a_converted_encoder_towards_its_teacher():
