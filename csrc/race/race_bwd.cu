@@ -77,9 +77,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> race_bwd_cuda(
   else if (q.scalar_type() == at::kBFloat16)
     backward_kernels<__nv_bfloat16>(kOp, p, batch, hkv, d, tensor_cores, tc_keys, q.device(), stream);
   else backward_kernels<float>(kOp, p, batch, hkv, d, false, false, q.device(), stream);
-  race_dbeta_bwd_kernel<<<1, kThreads, 0, stream>>>(p.dbeta_q, p.dbeta_k, static_cast<int>(batch), p.hq, p.nqt,
-                                                     p.nkc, dbeta_h.data_ptr<float>(), dbeta_total.data_ptr<float>());
+  race_dbeta_bwd_kernel<<<p.hq, kThreads, 0, stream>>>(p.dbeta_q, p.dbeta_k, static_cast<int>(batch), p.hq, p.nqt,
+                                                        p.nkc, dbeta_h.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (beta.dim() == 0) {
+    race_dbeta_total_kernel<<<1, 1, 0, stream>>>(dbeta_h.data_ptr<float>(), p.hq, dbeta_total.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   const at::Tensor dbeta = (beta.dim() == 0 ? dbeta_total : dbeta_h).to(beta.scalar_type());
   return {dq, dk, dv, dbeta};
 }

@@ -20,7 +20,8 @@
 //   race_dq_bwd_kernel                  per (query tile, q head, batch): dq, den, c, dbeta partials
 //   race_dkv_bwd_kernel                 per (key chunk, kv head, batch), loops over the group's q heads:
 //                                       dk, dv (summed over the group in registers), dbeta partials
-//   race_dbeta_bwd_kernel               dbeta = fixed-order sum of the partials
+//   race_dbeta_bwd_kernel               per q head: dbeta = fixed-order sum of the partials
+//   race_dbeta_total_kernel             dbeta of a scalar beta: sum over the heads
 //
 // Pure CUDA (no torch headers).
 #pragma once
@@ -806,25 +807,35 @@ __global__ void __launch_bounds__(kThreads, 1) race_dkv_bwd_kernel(const Params 
   }
 }
 
-// dbeta[h] = sum over b, then query tiles, then key chunks (fixed order); total = sum over h.
+static_assert((kThreads & (kThreads - 1)) == 0, "the dbeta tree halves kThreads");
+
+// dbeta[blockIdx.x] = the head's partials over b, query tiles and key chunks: thread i sums the fixed slice
+// i, i + kThreads, ... of each row, then a fixed tree over the block (deterministic; one block per head).
 static __global__ void __launch_bounds__(kThreads) race_dbeta_bwd_kernel(const float* part_q, const float* part_k, int batch,
-                                                                  int hq, int nqt, int nkc, float* dbeta_h,
-                                                                  float* dbeta_total) {
-  for (int h = threadIdx.x; h < hq; h += kThreads) {
-    float s = 0.f;
-    for (int b = 0; b < batch; ++b) {
-      const long long bh = (long long)b * hq + h;
-      for (int m = 0; m < nqt; ++m) s += part_q[bh * nqt + m];
-      for (int c = 0; c < nkc; ++c) s += part_k[bh * nkc + c];
-    }
-    dbeta_h[h] = s;
+                                                                  int hq, int nqt, int nkc, float* dbeta_h) {
+  __shared__ float red[kThreads];
+  const int h = blockIdx.x;
+  float s = 0.f;
+  for (int b = 0; b < batch; ++b) {
+    const long long bh = (long long)b * hq + h;
+    for (int m = threadIdx.x; m < nqt; m += kThreads) s += part_q[bh * nqt + m];
+    for (int c = threadIdx.x; c < nkc; c += kThreads) s += part_k[bh * nkc + c];
   }
+  red[threadIdx.x] = s;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float s = 0.f;
-    for (int h = 0; h < hq; ++h) s += dbeta_h[h];
-    *dbeta_total = s;
+#pragma unroll
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) red[threadIdx.x] += red[threadIdx.x + half];
+    __syncthreads();
   }
+  if (threadIdx.x == 0) dbeta_h[h] = red[0];
+}
+
+// dbeta of a scalar beta: the heads' dbeta in order (one thread; hq is small).
+static __global__ void race_dbeta_total_kernel(const float* dbeta_h, int hq, float* dbeta_total) {
+  float s = 0.f;
+  for (int h = 0; h < hq; ++h) s += dbeta_h[h];
+  *dbeta_total = s;
 }
 
 }  // namespace race
