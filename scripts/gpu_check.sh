@@ -44,7 +44,7 @@ BENCH_MODES=${BENCH_MODES:-fwd,fwd+bwd}
 BENCH_SIZE_BUDGET=${BENCH_SIZE_BUDGET:-20}
 BENCH_DEVICE=${BENCH_DEVICE:-cuda}
 BENCH_RESULTS_DIR=${BENCH_RESULTS_DIR:-$ROOT/benchmarks/results}
-BENCH_RESERVE_S=90     # kept for the benchmarks while building and testing
+BENCH_RESERVE_S=90     # kept for the benchmarks while testing
 FINAL_RESERVE_S=30     # kept for the summary
 
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -96,7 +96,7 @@ if [[ $BUILD == 1 ]]; then
         echo "$cxx has no libstdc++.so (it would link a static copy into _C.so): building with /usr/bin/g++"
         export CXX=/usr/bin/g++ CC=/usr/bin/gcc
     fi
-    t=$(cap "$BUILD_BUDGET_S" $(( $(left) - BENCH_RESERVE_S - 60 )))
+    t=$(cap "$BUILD_BUDGET_S" $(( $(left) - FINAL_RESERVE_S - 10 )))  # first: tests and benchmarks need the build
     if (( t < 30 )); then
         build_status="skipped (only ${t}s left)"
     else
@@ -128,6 +128,12 @@ print(f"import hf_attention_backends: ok from {hfab.__file__}")
 print(f"extension _C loaded: {_ext.extension_loaded()}" + (f" (error: {_ext.extension_error()})"
                                                         if _ext.extension_error() else ""))
 EOF
+
+if [[ $build_status != skipped* && $build_status != "not run" ]] \
+    && ! "$PY" -c "from hf_attention_backends import _ext; raise SystemExit(not _ext.extension_loaded())" 2>/dev/null; then
+    echo "no CUDA extension after the build ($build_status): skipping the tests and benchmarks"
+    RUN_TESTS=0 BENCH=none
+fi
 
 section "GPU tests (pytest -m cuda)"
 if [[ $RUN_TESTS == 1 ]]; then
