@@ -1,6 +1,7 @@
 """The benchmark harness on the CPU: the runner end to end on tiny shapes for every backend (CSV
 columns, rows, plot), the skip/OOM/error/budget rules with probe providers, timing statistics,
 the ptxas report and scripts/gpu_check.sh in its CPU mode."""
+import json
 import os
 import subprocess
 import sys
@@ -390,3 +391,15 @@ def test_decode_benchmark_state_constant_in_context_for_race_only():
              ["state_bytes_per_seq"] for p in ("sdpa", "race") for n in (16, 64)}
     assert state["race", 16] == state["race", 64] > 0
     assert state["sdpa", 64] > state["sdpa", 16] > 0
+
+
+def test_race_calibration_sweep_reports_each_shape(capsys):
+    from benchmarks import race_calibration_sweep as sweep
+
+    assert sweep.main(["--model", "tiny_llama", "--shapes", "2x2", "3x1", "--rows", "2", "--seq-len", "32"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["P"], r["L"], r["S"]) for r in lines] == [(2, 2, 8), (3, 1, 8)]
+    for r in lines:  # the default grid holds the conversion's beta (D**-0.5), so the grid cannot do worse
+        assert r["layers"] > 0 and 0 < r["sum_after"] <= r["sum_before"] + 1e-9
+    with pytest.raises(SystemExit):
+        sweep.main(["--shapes", "4by4"])
