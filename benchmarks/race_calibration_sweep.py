@@ -39,10 +39,10 @@ def calibration_batch(tokenizer, rows: int, seq_len: int, device) -> dict:
     return {k: data[k][:rows].to(device) for k in ("input_ids", "attention_mask")}
 
 
-def sweep_one(model_name: str, batch: dict, planes: int, tables: int, betas, device) -> dict:
+def sweep_one(base, batch: dict, planes: int, tables: int, betas) -> dict:
+    """Convert ``base`` (``convert`` copies it) on every layer with P = ``planes``, L = ``tables``; calibrate."""
     start = time.time()
-    model = load_model(model_name)[0].to(device)
-    model = hfab.convert(model, "race", None, num_planes=planes, num_tables=tables, per_head_beta=True, seed=0)
+    model = hfab.convert(base, "race", None, num_planes=planes, num_tables=tables, per_head_beta=True, seed=0)
     report = calibrate(model, [batch], race_betas=betas)
     chosen = [float(torch.as_tensor(b).flatten()[0]) for b in report["choices"]["beta"].values()]
     return {"P": planes, "L": tables, "S": tables * 2 ** planes, "sum_before": sum(report["before"].values()),
@@ -60,11 +60,12 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    tokenizer = load_model(args.model)[1]
+    base, tokenizer, _ = load_model(args.model)
+    base.to(args.device)
     batch = calibration_batch(tokenizer, args.rows, args.seq_len, args.device)
     with torch.no_grad():
         for planes, tables in args.shapes:
-            print(json.dumps(sweep_one(args.model, batch, planes, tables, args.betas, args.device)), flush=True)
+            print(json.dumps(sweep_one(base, batch, planes, tables, args.betas)), flush=True)
     return 0
 
 
