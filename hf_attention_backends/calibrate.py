@@ -98,13 +98,18 @@ class TeacherForcing:
         """{layer: mean squared error} of the last forward (differentiable)."""
         return {i: err / count for i, (err, _, count) in self.terms.items()}
 
+    def _snapshot_like_live(self, idx, module) -> dict[str, Tensor]:
+        """The snapshot in the dtype the live parameters have now (FSDP's mixed precision casts them to bf16)."""
+        live = dict(module.named_parameters())
+        return {n: t.to(live[n].dtype) if n in live else t for n, t in self._originals[idx].items()}
+
     def _teacher(self, idx, module, args, kwargs) -> Tensor:
         backend = module.__dict__.pop("hfab_backend")
         module.hfab_left_out = True
         self._in_teacher = True
         try:
             with torch.no_grad():
-                out = torch.func.functional_call(module, self._originals[idx], args, kwargs)
+                out = torch.func.functional_call(module, self._snapshot_like_live(idx, module), args, kwargs)
         finally:
             self._in_teacher = False
             del module.hfab_left_out

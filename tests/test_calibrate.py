@@ -48,6 +48,19 @@ def test_teacher_forcing_gives_the_softmax_model_output():
     assert set(forcing.terms) == {0, 1} and all(float(e) > 0 for e, _, _ in forcing.terms.values())
 
 
+def test_teacher_forcing_follows_the_live_parameter_dtype():
+    """FSDP's mixed precision casts the live parameters to bf16 after the fp32 snapshot was taken."""
+    base = peaked()
+    model = hfab.convert(base, "race", num_planes=2, num_tables=2)
+    inputs = tiny_inputs("llama", 2, 16)
+    with torch.no_grad(), TeacherForcing(model):
+        model.to(torch.bfloat16)
+        forced = output_of(model, **inputs, use_cache=False)
+        expected = output_of(base.to(torch.bfloat16), **inputs)
+    assert forced.dtype == torch.bfloat16
+    torch.testing.assert_close(forced, expected, rtol=0, atol=0)
+
+
 def test_paused_teacher_forcing_runs_the_student_alone():
     model = hfab.convert(peaked(), "race", num_planes=2, num_tables=2)
     inputs = tiny_inputs("llama", 3, 16)
