@@ -51,7 +51,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
@@ -74,6 +74,17 @@ def token_mean(accelerator, total, count):
     """
     count = accelerator.reduce(count.detach().to(torch.float32), "sum")
     return total * accelerator.num_processes / count.clamp(min=1)
+
+
+def set_reshard_after_forward(model, reshard: bool):
+    """FSDP2 units of ``model`` keep (False) or free (True) their gathered weights after the forward.
+
+    The transfer stage keeps them: its loss reaches the q/k projections inside each layer, not through the layer's
+    output, so the backward may reach a projection before FSDP has gathered its weights again.
+    """
+    for module in model.modules():
+        if hasattr(module, "set_reshard_after_forward"):
+            module.set_reshard_after_forward(reshard, recurse=False)
 
 
 def masked_mean(accelerator, values, mask):
@@ -330,7 +341,9 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     log = RunLog(out_dir, accelerator.is_main_process, tensorboard=t.tensorboard,
                  resume_at=None if state is None else (state["stage"], state["step"]),
                  elapsed_before=0.0 if state is None else state["elapsed_s"])
-    log.event(event="recipe", recipe=dataclasses.asdict(recipe))  # as run: after --set overrides
+    log.event(event="recipe", recipe=dataclasses.asdict(recipe),  # as run: after --set overrides
+              launch={"processes": accelerator.num_processes, "distributed": str(accelerator.distributed_type),
+                      "mixed_precision": accelerator.mixed_precision, "device": str(accelerator.device)})
     if state is not None:
         log.event(event="resume", checkpoint=str(resume_path), stage=state["stage"], step=state["step"])
 
@@ -401,12 +414,16 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
         params = lr_groups(student, trainable(student, recipe.transfer.train,
                                               within=[m for _, m in converted_layers(student)]),
                            recipe.transfer.train_lr)
-        with TeacherForcing(student) as forcing:
+        fsdp = accelerator.distributed_type == DistributedType.FSDP
+        with TeacherForcing(student, student_graph=fsdp) as forcing:
             def transfer_loss(wrapped, batch):
                 forcing.token_mask, forcing.terms = batch["attention_mask"], {}
-                wrapped(**forward_kwargs(student, batch))
-                return sum(token_mean(accelerator, err, count) for err, _, count in forcing.terms.values()) / len(
+                if fsdp:
+                    set_reshard_after_forward(wrapped, False)
+                out = wrapped(**forward_kwargs(student, batch))
+                loss = sum(token_mean(accelerator, err, count) for err, _, count in forcing.terms.values()) / len(
                     forcing.terms)
+                return loss + 0.0 * out[0].float().sum() if fsdp else loss  # FSDP: the output joins the backward
 
             def evaluate_student(wrapped):
                 with forcing.paused():
@@ -415,6 +432,8 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
             model, losses = run_stage("transfer", accelerator, student, params, transfer_loss, train_loader,
                                       recipe.transfer.steps, recipe.transfer.lr, recipe, log, evaluate_student,
                                       save=saver, resume=resume_for("transfer"))
+            if fsdp:
+                set_reshard_after_forward(model, getattr(accelerator.state.fsdp_plugin, "reshard_after_forward", True))
         summary["transfer"] = {"first_loss": losses[0], "last_loss": losses[-1], "eval": evaluate_fn(model)}
         log.metrics("transfer", recipe.transfer.steps, eval=summary["transfer"]["eval"])
         save(accelerator, model, tokenizer, out_dir / "transfer")

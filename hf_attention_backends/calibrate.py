@@ -61,10 +61,15 @@ class TeacherForcing:
     snapshot, so training them moves the student only. ``token_mask`` (B, N) bool/int, 1 = real token, set
     before each forward (None = every token counts). After a forward, ``terms[layer]`` holds
     ``(squared error sum, reference squared sum, element count)``; the first carries gradients.
+
+    ``student_graph=True``: each layer passes on ``teacher + (student - student.detach())``, the teacher's
+    values with the student's graph, so the model's output requires grad (FSDP only runs its backward hooks,
+    which gather the weights and reduce the gradients, for outputs that take part in the backward).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, student_graph: bool = False):
         self.modules = converted_layers(model)
+        self.student_graph = student_graph
         self.token_mask: Optional[Tensor] = None
         self.terms: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         self._handles = []
@@ -137,6 +142,8 @@ class TeacherForcing:
             diff = (student.float() - teacher.float()) ** 2
             count = weight.sum() * student.shape[-1]
             self.terms[idx] = ((diff * weight).sum(), ((teacher.float() ** 2) * weight).sum(), count)
+            if self.student_graph:
+                teacher = teacher + (student - student.detach())
             return (teacher,) + tuple(output[1:]) if isinstance(output, tuple) else teacher
         return hook
 

@@ -61,6 +61,26 @@ def test_teacher_forcing_follows_the_live_parameter_dtype():
     torch.testing.assert_close(forced, expected, rtol=0, atol=0)
 
 
+def test_student_graph_keeps_the_teacher_values_and_the_student_gradient():
+    base = peaked()
+    model = hfab.convert(base, "race", num_planes=2, num_tables=2)
+    inputs = tiny_inputs("llama", 2, 16)
+    with torch.no_grad():
+        expected = output_of(base, **inputs)
+    with TeacherForcing(model) as forcing:
+        detached = output_of(model, **inputs, use_cache=False)
+    with TeacherForcing(model, student_graph=True) as forcing:
+        linked = output_of(model, **inputs, use_cache=False)
+        terms = sum(e for e, _, _ in forcing.terms.values())
+    torch.testing.assert_close(linked, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linked, detached, rtol=0, atol=0)
+    assert linked.requires_grad
+    q_weight = next(p for n, p in model.named_parameters() if "layers.1." in n and "q_proj" in n)
+    from_terms = torch.autograd.grad(terms, q_weight, retain_graph=True)[0]
+    with_zero_output = torch.autograd.grad(terms + 0.0 * linked.sum(), q_weight)[0]
+    torch.testing.assert_close(with_zero_output, from_terms, rtol=0, atol=0)
+
+
 def test_paused_teacher_forcing_runs_the_student_alone():
     model = hfab.convert(peaked(), "race", num_planes=2, num_tables=2)
     inputs = tiny_inputs("llama", 3, 16)
