@@ -79,8 +79,9 @@ def token_mean(accelerator, total, count):
 def set_reshard_after_forward(model, reshard: bool):
     """FSDP2 units of ``model`` keep (False) or free (True) their gathered weights after the forward.
 
-    The transfer stage keeps them: its loss reaches the q/k projections inside each layer, not through the layer's
-    output, so the backward may reach a projection before FSDP has gathered its weights again.
+    The transfer stage keeps them (its model is not used afterwards): its loss reaches the q/k projections inside
+    each layer, not through the layer's output, so the backward may reach a projection before FSDP has gathered
+    its weights again.
     """
     for module in model.modules():
         if hasattr(module, "set_reshard_after_forward"):
@@ -344,6 +345,10 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     log.event(event="recipe", recipe=dataclasses.asdict(recipe),  # as run: after --set overrides
               launch={"processes": accelerator.num_processes, "distributed": str(accelerator.distributed_type),
                       "mixed_precision": accelerator.mixed_precision, "device": str(accelerator.device)})
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if fsdp and ft.steps and ft.method == "lora":
+        raise ConfigError("fine_tune.method='lora' is not supported under FSDP (merging LoRA into sharded weights); "
+                          "use fine_tune.method='full' with FSDP, or LoRA under DDP / one process")
     if state is not None:
         log.event(event="resume", checkpoint=str(resume_path), stage=state["stage"], step=state["step"])
 
@@ -414,7 +419,6 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
         params = lr_groups(student, trainable(student, recipe.transfer.train,
                                               within=[m for _, m in converted_layers(student)]),
                            recipe.transfer.train_lr)
-        fsdp = accelerator.distributed_type == DistributedType.FSDP
         with TeacherForcing(student, student_graph=fsdp) as forcing:
             def transfer_loss(wrapped, batch):
                 forcing.token_mask, forcing.terms = batch["attention_mask"], {}
@@ -432,12 +436,15 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
             model, losses = run_stage("transfer", accelerator, student, params, transfer_loss, train_loader,
                                       recipe.transfer.steps, recipe.transfer.lr, recipe, log, evaluate_student,
                                       save=saver, resume=resume_for("transfer"))
-            if fsdp:
-                set_reshard_after_forward(model, getattr(accelerator.state.fsdp_plugin, "reshard_after_forward", True))
         summary["transfer"] = {"first_loss": losses[0], "last_loss": losses[-1], "eval": evaluate_fn(model)}
         log.metrics("transfer", recipe.transfer.steps, eval=summary["transfer"]["eval"])
         save(accelerator, model, tokenizer, out_dir / "transfer")
-        model = accelerator.unwrap_model(model)
+        if fsdp:  # FSDP fixes dtypes and unit classes when it first wraps: the next stage starts from a new copy
+            accelerator.wait_for_everyone()
+            student = model = hfab.from_pretrained(out_dir / "transfer", dtype=getattr(torch, recipe.model.dtype))
+            model.to(accelerator.device)
+        else:
+            model = accelerator.unwrap_model(model)
 
     if ft.steps:
         model = accelerator.unwrap_model(model)
