@@ -481,3 +481,21 @@ def test_compare_runs_passes_within_rtol_and_fails_beyond_or_on_other_rows(tmp_p
     assert compare.main([str(a), str(short)]) == 1
     assert "different rows" in capsys.readouterr().err
     assert compare.main([str(a), str(tmp_path / "missing")]) == 2
+
+
+def test_compare_window_averages_training_rows_per_stage(tmp_path, capsys):
+    from finetune import compare
+
+    rows = [(0, "teacher", "", "", 30.0), (1, "transfer", 1.0, 0.5, ""), (2, "transfer", 3.0, 0.5, ""),
+            (3, "transfer", 5.0, 1.5, ""), (1, "fine_tune", 7.0, 2.0, ""), (1, "fine_tune", "", "", 20.0)]
+    assert [(r["stage"], r["step"], r.get("loss"), r.get("ppl")) for r in
+            compare.windowed(compare.read_csv(_write_log(tmp_path / "a", rows) / "log.csv"), 2)] == [
+        ("teacher", 0, None, 30.0), ("transfer", 2, 2.0, None), ("transfer", 3, 5.0, None),
+        ("fine_tune", 1, 7.0, None), ("fine_tune", 1, None, 20.0)]
+    a = _write_log(tmp_path / "b", [(1, "transfer", 1.0, 0.5, ""), (2, "transfer", 3.0, 0.5, "")])
+    swapped = _write_log(tmp_path / "c", [(1, "transfer", 3.0, 0.5, ""), (2, "transfer", 1.0, 0.5, "")])
+    assert compare.main([str(a), str(swapped)]) == 1
+    assert compare.main([str(a), str(swapped), "--window", "2"]) == 0
+    with pytest.raises(SystemExit):
+        compare.main([str(a), str(swapped), "--window", "0"])
+    capsys.readouterr()
