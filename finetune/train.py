@@ -76,6 +76,11 @@ def token_mean(accelerator, total, count):
     return total * accelerator.num_processes / count.clamp(min=1)
 
 
+def uses_fsdp(accelerator) -> bool:
+    """Whether the launch wraps the model with FSDP (``configs/accelerate/fsdp.yaml``)."""
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
 def set_reshard_after_forward(model, reshard: bool):
     """FSDP2 units of ``model`` keep (False) or free (True) their gathered weights after the forward.
 
@@ -345,7 +350,7 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     log.event(event="recipe", recipe=dataclasses.asdict(recipe),  # as run: after --set overrides
               launch={"processes": accelerator.num_processes, "distributed": str(accelerator.distributed_type),
                       "mixed_precision": accelerator.mixed_precision, "device": str(accelerator.device)})
-    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    fsdp = uses_fsdp(accelerator)
     if fsdp and ft.steps and ft.method == "lora":
         raise ConfigError("fine_tune.method='lora' is not supported under FSDP (merging LoRA into sharded weights); "
                           "use fine_tune.method='full' with FSDP, or LoRA under DDP / one process")

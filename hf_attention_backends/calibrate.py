@@ -62,9 +62,10 @@ class TeacherForcing:
     before each forward (None = every token counts). After a forward, ``terms[layer]`` holds
     ``(squared error sum, reference squared sum, element count)``; the first carries gradients.
 
-    ``student_graph=True``: each layer passes on ``teacher + (student - student.detach())``, the teacher's
-    values with the student's graph, so the model's output requires grad (FSDP only runs its backward hooks,
-    which gather the weights and reduce the gradients, for outputs that take part in the backward).
+    ``student_graph=True``: each layer passes on ``teacher + 0 · student``: the teacher's values, and a graph
+    through which the backward reaches every layer with zero gradient (the terms keep theirs), so the model's
+    output requires grad (FSDP only runs its backward hooks, which gather the weights and reduce the gradients,
+    for outputs that take part in the backward).
     """
 
     def __init__(self, model, student_graph: bool = False):
@@ -143,7 +144,7 @@ class TeacherForcing:
             count = weight.sum() * student.shape[-1]
             self.terms[idx] = ((diff * weight).sum(), ((teacher.float() ** 2) * weight).sum(), count)
             if self.student_graph:
-                teacher = teacher + (student - student.detach())
+                teacher = teacher + 0.0 * student
             return (teacher,) + tuple(output[1:]) if isinstance(output, tuple) else teacher
         return hook
 
