@@ -34,10 +34,14 @@ def test_exact_backend_has_zero_error():
     assert max(errors.values()) < 1e-10
 
 
-def test_teacher_forcing_gives_the_softmax_model_output():
+def race_student(batch=2):
+    """(a peaked tiny llama, its RACE conversion, inputs of ``batch`` rows of 16 tokens)."""
     base = peaked()
-    model = hfab.convert(base, "race", num_planes=2, num_tables=2)
-    inputs = tiny_inputs("llama", 2, 16)
+    return base, hfab.convert(base, "race", num_planes=2, num_tables=2), tiny_inputs("llama", batch, 16)
+
+
+def test_teacher_forcing_gives_the_softmax_model_output():
+    base, model, inputs = race_student()
     with torch.no_grad():
         expected = output_of(base, **inputs)
         plain = output_of(model, **inputs)
@@ -50,9 +54,7 @@ def test_teacher_forcing_gives_the_softmax_model_output():
 
 def test_teacher_forcing_follows_the_live_parameter_dtype():
     """FSDP's mixed precision casts the live parameters to bf16 after the fp32 snapshot was taken."""
-    base = peaked()
-    model = hfab.convert(base, "race", num_planes=2, num_tables=2)
-    inputs = tiny_inputs("llama", 2, 16)
+    base, model, inputs = race_student()
     with torch.no_grad(), TeacherForcing(model):
         model.to(torch.bfloat16)
         forced = output_of(model, **inputs, use_cache=False)
@@ -62,9 +64,7 @@ def test_teacher_forcing_follows_the_live_parameter_dtype():
 
 
 def test_student_graph_keeps_the_teacher_values_and_the_student_gradient():
-    base = peaked()
-    model = hfab.convert(base, "race", num_planes=2, num_tables=2)
-    inputs = tiny_inputs("llama", 2, 16)
+    base, model, inputs = race_student()
     with torch.no_grad():
         expected = output_of(base, **inputs)
     with TeacherForcing(model) as forcing:
@@ -83,8 +83,7 @@ def test_student_graph_keeps_the_teacher_values_and_the_student_gradient():
 
 
 def test_paused_teacher_forcing_runs_the_student_alone():
-    model = hfab.convert(peaked(), "race", num_planes=2, num_tables=2)
-    inputs = tiny_inputs("llama", 3, 16)
+    _, model, inputs = race_student(batch=3)
     with torch.no_grad():
         plain = output_of(model, **inputs)
         with TeacherForcing(model) as forcing:
