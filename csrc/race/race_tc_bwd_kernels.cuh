@@ -110,6 +110,15 @@ __device__ __forceinline__ void phi_frag(const Params& p, const float* sp, const
   }
 }
 
+// phi_frag<true> (rows m0.., features 8 kk..) read from an fp32 phi tile [64][kS + 1] (`features` wrote it: zeros
+// for features >= S and rows with ok = 0), instead of rebuilt from the sigma tables.
+__device__ __forceinline__ void phi_frag_tile(const float* phi32, int m0, int kk, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 4; ++r)  // A register r: m g + 8 (r % 2), k t + 4 (r / 2)
+    tf32_split(phi32[(m0 + g + 8 * (r % 2)) * (kS + 1) + kk * 8 + t + 4 * (r / 2)], hi[r], lo[r]);
+}
+
 // acc[n] += rows x st^T over D for the feature n-tiles n < nf: the warp's 16 rows of a T tile [64][D + 8] (exact in
 // tf32) times the state tile st [feature][D + 8] in two tf32 halves (dq: dO A^T; key side: v B^T).
 template <typename T, int D>
@@ -227,9 +236,9 @@ __device__ __forceinline__ void table_w(const Params& p, const float* g, const f
 // lo hi), then the masked scores in two T halves times [v, 1] as in tile_num. c^ = dO . num / den must match
 // the fp32 phi(q), phi(k) and state that dphi(q) and the key side (race_dkv_bwd_kernel, fp32) use: the
 // forward's fp16 phi(q) and tf32 state leave c^ ~1e-4 relative off, far above the dbeta tolerance.
-template <typename T, int D>
+template <typename T, int D, bool PHI_TILE = false>
 __device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>& s, bool intra,
-                                              float (&acc)[D / 8 + 1][4]) {
+                                              float (&acc)[D / 8 + 1][4], const float* phi32 = nullptr) {
   constexpr int kX = D + 8;
   constexpr int kN = D / 8 + 1;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
@@ -239,7 +248,8 @@ __device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>
   for (int kk = 0; kk < kS / 8; ++kk) {
     if (kk >= nf) continue;
     uint32_t qhi[4], qlo[4];
-    phi_frag<true>(p, s.sp, s.sm, s.okq, nullptr, r0, kk, qhi, qlo);
+    if constexpr (PHI_TILE) phi_frag_tile(phi32, r0, kk, qhi, qlo);
+    else phi_frag<true>(p, s.sp, s.sm, s.okq, nullptr, r0, kk, qhi, qlo);
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
       uint32_t bhi[2], blo[2];
@@ -260,8 +270,9 @@ __device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>
 }
 
 // dq rows, den, c and the dbeta partial of query tile m. Expects: sp / sm, u, dO of the tile; the state
-// before the tile's chunk in st; when `intra`, the chunk's pkt, vt, okk and v row-major in x.
-template <typename T, int D>
+// before the tile's chunk in st; when `intra`, the chunk's pkt, vt, okk and v row-major in x. PHI_TILE: also
+// phi(q) in fp32 in the g tile's storage (query_tile's phi32), read where the default rebuilds it from sp / sm.
+template <typename T, int D, bool PHI_TILE = false>
 __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, Tiles<T, D>& s, BwdTiles<T, D>& bt) {
   constexpr int kX = D + 8;
   constexpr int kN = D / 8 + 1;
@@ -271,7 +282,7 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
   float chat[2], inv[2];
   {
     float acc[kN][4] = {};
-    tile_num_fp32<T, D>(p, s, intra, acc);
+    tile_num_fp32<T, D, PHI_TILE>(p, s, intra, acc, bt.g);
     const int quad = lane & ~3;  // den = column D, held by the quad's t = 0 lane
     const float dens[2] = {__shfl_sync(0xffffffffu, acc[kN - 1][0], quad),
                            __shfl_sync(0xffffffffu, acc[kN - 1][2], quad)};
@@ -317,8 +328,10 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
     for (int e = 0; e < 4; ++e) {
       const int half = e / 2, r = r0 + g + 8 * half, f = n * 8 + 2 * t + (e & 1);
       float val = 0.f;
-      if (f < p.features && inv[half] > 0.f)
-        val = (dphi[n][e] - chat[half] * s.st[f * kX + D]) * inv[half] * phi_at(p, s.sp, s.sm, r, f);
+      if (f < p.features && inv[half] > 0.f) {  // PHI_TILE: this thread alone reads phi(q)[r][f], then writes g
+        const float phi = PHI_TILE ? bt.g[r * kG + f] : phi_at(p, s.sp, s.sm, r, f);
+        val = (dphi[n][e] - chat[half] * s.st[f * kX + D]) * inv[half] * phi;
+      }
       bt.g[r * kG + f] = val;
     }
   __syncthreads();
@@ -344,7 +357,7 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
 // non-causal: block = (group of kGroup query tiles, q head, batch) with the total state (slot ngk).
 // Query tiles before the first key chunk (causal, Nq - Nk >= 64) are never visited: the host zero-fills
 // their dq, den, c and dbeta partials.
-template <typename T, int D>
+template <typename T, int D, bool PHI_TILE = false>
 __global__ void __launch_bounds__(kThreads, 1) race_group_dq_bwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
   Tiles<T, D> s(smem_raw);
@@ -357,21 +370,22 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dq_bwd_kernel(const Pa
   if (p.causal && end - 1 < p.kappa0) return;  // only keys before the first query: no tile here
   init_constants<T, D>(p, s);
   load_state<T, D>(p, hd.bh, p.causal ? grp : p.ngk, s);
+  float* phi32 = PHI_TILE ? bt.g : nullptr;  // fp32 phi(q) of the tile instead of the (here unused) fp16 phq
   if (!p.causal) {
     for (int m = first; m < end; ++m) {
-      query_tile<T, D>(p, hd, m, s, dout, bt.dO, bt.u);
-      tile_dq<T, D>(p, hd, m, false, s, bt);
+      query_tile<T, D>(p, hd, m, s, dout, bt.dO, bt.u, phi32);
+      tile_dq<T, D, PHI_TILE>(p, hd, m, false, s, bt);
     }
     return;
   }
   for (int kappa = first; kappa < end; ++kappa) {
     const int m = kappa - p.kappa0;  // the query tile whose diagonal is in this chunk
-    key_chunk<T, D>(p, hd, b, kappa, s, m >= 0);
+    key_chunk<T, D>(p, hd, b, kappa, s, !PHI_TILE && m >= 0);  // phk is not read here: PHI_TILE skips it
     if (m >= 0) {
-      query_tile<T, D>(p, hd, m, s, dout, bt.dO, bt.u);  // after key_chunk: sp, sm keep q's tables
+      query_tile<T, D>(p, hd, m, s, dout, bt.dO, bt.u, phi32);  // after key_chunk: sp, sm keep q's tables
       load_rows<T, D>(hd.v, p.sv.n, p.s0 + kappa * kC, s.okk, s.x);  // v row-major (x is free again)
       __syncthreads();
-      tile_dq<T, D>(p, hd, m, true, s, bt);
+      tile_dq<T, D, PHI_TILE>(p, hd, m, true, s, bt);
     }
     if (kappa + 1 == end) break;
     __syncthreads();  // every warp has read the state

@@ -172,7 +172,7 @@ __device__ __forceinline__ void table_features(const float* sp, const float* sm,
 // consecutive rows of one item, so the transposed pkt stores of a feature are 64 contiguous bytes.
 template <typename T, int P>
 __device__ __forceinline__ void features_p(const Params& p, const int* ok, const float* sp, const float* sm,
-                                           __half* phi, T* pkt) {
+                                           __half* phi, T* pkt, float* phi32) {
   constexpr int Q = P < 4 ? P : 4;
   constexpr int R = 1 << Q;
   for (int e = threadIdx.x; e < kC * (kS / R); e += kThreads) {
@@ -212,21 +212,25 @@ __device__ __forceinline__ void features_p(const Params& p, const int* ok, const
         pkt[(kS + item * R + i) * kT + r] = lo;
       }
     }
+    if (phi32 != nullptr) {  // row stride kS + 1: a warp's 32 rows hit 32 banks
+#pragma unroll
+      for (int i = 0; i < R; ++i) phi32[r * (kS + 1) + item * R + i] = val[i];
+    }
   }
 }
 
-// phi[r][s] (fp16, row-major) and, when pkt is not null, phi in T halves transposed (pkt[s][r] hi, then lo).
-// 0 for s >= S and rows with ok = 0.
+// Each non-null target: phi[r][s] (fp16, row-major), phi in T halves transposed (pkt[s][r] hi, then lo), phi32[r][s]
+// (fp32, row stride kS + 1). 0 for s >= S and rows with ok = 0.
 template <typename T>
 __device__ __forceinline__ void features(const Params& p, const int* ok, const float* sp, const float* sm,
-                                         __half* phi, T* pkt) {
+                                         __half* phi, T* pkt, float* phi32 = nullptr) {
   switch (p.planes_per_table) {  // the host admits 1 <= P <= 6 here (S = L 2^P <= 64)
-    case 1: features_p<T, 1>(p, ok, sp, sm, phi, pkt); break;
-    case 2: features_p<T, 2>(p, ok, sp, sm, phi, pkt); break;
-    case 3: features_p<T, 3>(p, ok, sp, sm, phi, pkt); break;
-    case 4: features_p<T, 4>(p, ok, sp, sm, phi, pkt); break;
-    case 5: features_p<T, 5>(p, ok, sp, sm, phi, pkt); break;
-    default: features_p<T, 6>(p, ok, sp, sm, phi, pkt); break;
+    case 1: features_p<T, 1>(p, ok, sp, sm, phi, pkt, phi32); break;
+    case 2: features_p<T, 2>(p, ok, sp, sm, phi, pkt, phi32); break;
+    case 3: features_p<T, 3>(p, ok, sp, sm, phi, pkt, phi32); break;
+    case 4: features_p<T, 4>(p, ok, sp, sm, phi, pkt, phi32); break;
+    case 5: features_p<T, 5>(p, ok, sp, sm, phi, pkt, phi32); break;
+    default: features_p<T, 6>(p, ok, sp, sm, phi, pkt, phi32); break;
   }
 }
 
@@ -426,11 +430,11 @@ __device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, 
   }
 }
 
-// Query tile m: flags, x, phi(q) (fp16) into phq. Backward (dout not null): also the tile's rows of dout
-// into dtile ([64][D + 8]) and u into `u`. Ends with a barrier.
+// Query tile m: flags, x, phi(q) (fp16) into phq, or fp32 into phi32 instead when that is not null. Backward
+// (dout not null): also the tile's rows of dout into dtile ([64][D + 8]) and u into `u`. Ends with a barrier.
 template <typename T, int D>
 __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, D>& s, const T* dout = nullptr,
-                           T* dtile = nullptr, float* u = nullptr) {
+                           T* dtile = nullptr, float* u = nullptr, float* phi32 = nullptr) {
   __syncthreads();
   if (threadIdx.x < kC) s.okq[threadIdx.x] = m * kC + threadIdx.x < p.nq;
   __syncthreads();
@@ -439,7 +443,7 @@ __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, 
   __syncthreads();
   project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm, u);
   __syncthreads();
-  features<T>(p, s.okq, s.sp, s.sm, s.phq, nullptr);
+  features<T>(p, s.okq, s.sp, s.sm, phi32 == nullptr ? s.phq : nullptr, nullptr, phi32);
   __syncthreads();
 }
 
