@@ -42,6 +42,7 @@ if __name__ == "__main__" and not __package__:  # `python finetune/train.py`: ru
     sys.exit(main())
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -91,6 +92,26 @@ def set_reshard_after_forward(model, reshard: bool):
     for module in model.modules():
         if hasattr(module, "set_reshard_after_forward"):
             module.set_reshard_after_forward(reshard, recurse=False)
+
+
+def full_state_dict(model) -> dict:
+    """``model``'s full state dict on every process, gathered from its FSDP2 shards where it has them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def merged_lora(accelerator, model, template=None):
+    """The PEFT ``model`` with its LoRA weights merged. ``template`` (FSDP): an unsharded copy of ``model`` made before
+    sharding; it receives the trained state (gathered in full on every process) and is merged instead."""
+    if template is None:
+        return model.merge_and_unload()
+    template.load_state_dict(full_state_dict(model))
+    return template.merge_and_unload().to(accelerator.device)
 
 
 def masked_mean(accelerator, values, mask):
@@ -351,9 +372,6 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
               launch={"processes": accelerator.num_processes, "distributed": str(accelerator.distributed_type),
                       "mixed_precision": accelerator.mixed_precision, "device": str(accelerator.device)})
     fsdp = uses_fsdp(accelerator)
-    if fsdp and ft.steps and ft.method == "lora":
-        raise ConfigError("fine_tune.method='lora' is not supported under FSDP (merging LoRA into sharded weights); "
-                          "use fine_tune.method='full' with FSDP, or LoRA under DDP / one process")
     if state is not None:
         log.event(event="resume", checkpoint=str(resume_path), stage=state["stage"], step=state["step"])
 
@@ -467,6 +485,8 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
                 p.requires_grad_(ft.train_hfab)
             elif ft.method == "none":
                 p.requires_grad_(False)
+        # FSDP shards the weights LoRA merges into: the merge happens on an unsharded CPU copy (one per process)
+        template = copy.deepcopy(model).cpu() if fsdp and ft.method == "lora" else None
         if t.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         params = [p for p in model.parameters() if p.requires_grad]
@@ -505,7 +525,7 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
         if t.gradient_checkpointing:
             model.gradient_checkpointing_disable()
         if ft.method == "lora":
-            model = model.merge_and_unload()
+            model = merged_lora(accelerator, model, template)
         summary["fine_tune"] = {"first_loss": losses[0], "last_loss": losses[-1]}
 
     summary["final"] = evaluate_fn(model)

@@ -373,22 +373,24 @@ def test_checkpoint_resumes_to_the_identical_next_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_path_trains_like_one_process_and_refuses_lora(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_fsdp_path_trains_like_one_process(tmp_path, monkeypatch, method):
     """The FSDP-only steps (student graph through teacher forcing, 0 x output in the transfer loss, the fine-tune
-    stage restarted from the saved transfer model) leave every logged value as without them; on one CPU process."""
+    stage restarted from the saved transfer model, LoRA merged on an unsharded copy) leave every logged value and
+    the final model as without them; on one CPU process."""
     import finetune.train as train_module
 
     def recipe(out_dir):
         r = smoke_recipe(out_dir)
-        r.fine_tune.method = "full"
+        r.fine_tune.method = method
         return r
 
     run(recipe(tmp_path / "plain"))
     monkeypatch.setattr(train_module, "uses_fsdp", lambda accelerator: True)
     run(recipe(tmp_path / "fsdp"))
     assert comparable(read_csv(tmp_path / "fsdp" / "log.csv")) == comparable(read_csv(tmp_path / "plain" / "log.csv"))
-    with pytest.raises(ConfigError, match="fine_tune.method='lora' is not supported under FSDP"):
-        run(smoke_recipe(tmp_path / "lora"))
+    assert torch.equal(torch.load(tmp_path / "fsdp" / "probe.pt")["output"],
+                       torch.load(tmp_path / "plain" / "probe.pt")["output"])
 
 
 def test_run_log_csv_resume_truncates_and_tensorboard_error(tmp_path, monkeypatch):
