@@ -36,8 +36,9 @@ void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int
     if constexpr (!std::is_same_v<T, float>) {
       if (tc_keys) {  // group sums of phi~(q) [dO, c^], their suffix over groups, then dk, dv per key-chunk group
         const int groups = tc_query_groups(p);
-        launch_bytes(op, tc::race_group_qstate_bwd_kernel<T, D>, dim3(groups, hq, b), tc::kThreads,
-                     tc::DkvTiles<T, D>::bytes, p, device, stream);
+        launch_bytes(op, phi_tile_enabled() ? tc::race_group_qstate_bwd_kernel<T, D, true>
+                                            : tc::race_group_qstate_bwd_kernel<T, D, false>,
+                     dim3(groups, hq, b), tc::kThreads, tc::DkvTiles<T, D>::bytes, p, device, stream);
         race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), hq, b), kThreads, 0, stream>>>(
             p.qstate, p.qz, groups, p.features * D, p.features, p.hq, 1);
         C10_CUDA_KERNEL_LAUNCH_CHECK();

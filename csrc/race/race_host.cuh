@@ -172,10 +172,10 @@ inline bool tensor_core_backward_enabled() {
   return enabled;
 }
 
-// HFAB_RACE_PHI_TILE=1: the tensor-core dq kernel builds each query tile's fp32 phi(q) once into shared memory
-// (race_group_dq_bwd_kernel<..., PHI_TILE = true>) instead of rebuilding every value from the sigma tables at each
-// use (phi_at: a run-time loop over P per value); head dims 32 and 64 (at 128 its fp16 build spills). Off by
-// default until GPU-verified (issue 6).
+// HFAB_RACE_PHI_TILE=1: the tensor-core dq kernel (head dims 32 and 64: at 128 its fp16 build spills) and the
+// key side's query-state kernel build each query tile's fp32 phi(q) once into shared memory (<..., PHI_TILE =
+// true>) instead of rebuilding every value from the sigma tables at each use (phi_at: a run-time loop over P per
+// value). Off by default until GPU-verified (issue 6).
 inline bool phi_tile_enabled() {
   static const bool enabled = [] {
     const char* env = std::getenv("HFAB_RACE_PHI_TILE");

@@ -110,13 +110,18 @@ __device__ __forceinline__ void phi_frag(const Params& p, const float* sp, const
   }
 }
 
-// phi_frag<true> (rows m0.., features 8 kk..) read from an fp32 phi tile [64][kS + 1] (`features` wrote it: zeros
-// for features >= S and rows with ok = 0), instead of rebuilt from the sigma tables.
-__device__ __forceinline__ void phi_frag_tile(const float* phi32, int m0, int kk, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+// phi_frag read from an fp32 phi tile [64][kS + 1] (`features` wrote it: zeros for features >= S and rows with
+// ok = 0) instead of rebuilt from the sigma tables: the same values, bit for bit.
+template <bool ROWS_M>
+__device__ __forceinline__ void phi_frag_tile(const float* phi32, const float* scale, int m0, int kk,
+                                              uint32_t (&hi)[4], uint32_t (&lo)[4]) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
-  for (int r = 0; r < 4; ++r)  // A register r: m g + 8 (r % 2), k t + 4 (r / 2)
-    tf32_split(phi32[(m0 + g + 8 * (r % 2)) * (kS + 1) + kk * 8 + t + 4 * (r / 2)], hi[r], lo[r]);
+  for (int r = 0; r < 4; ++r) {  // A register r: m g + 8 (r % 2), k t + 4 (r / 2)
+    const int mi = m0 + g + 8 * (r % 2), ki = kk * 8 + t + 4 * (r / 2);
+    const int row = ROWS_M ? mi : ki, f = ROWS_M ? ki : mi;
+    tf32_split(phi32[row * (kS + 1) + f] * (scale == nullptr ? 1.f : scale[row]), hi[r], lo[r]);
+  }
 }
 
 // acc[n] += rows x st^T over D for the feature n-tiles n < nf: the warp's 16 rows of a T tile [64][D + 8] (exact in
@@ -248,7 +253,7 @@ __device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>
   for (int kk = 0; kk < kS / 8; ++kk) {
     if (kk >= nf) continue;
     uint32_t qhi[4], qlo[4];
-    if constexpr (PHI_TILE) phi_frag_tile(phi32, r0, kk, qhi, qlo);
+    if constexpr (PHI_TILE) phi_frag_tile<true>(phi32, nullptr, r0, kk, qhi, qlo);
     else phi_frag<true>(p, s.sp, s.sm, s.okq, nullptr, r0, kk, qhi, qlo);
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
@@ -440,9 +445,10 @@ __device__ __forceinline__ void query_rows(const Params& p, long long bh, int m,
 }
 
 // acc[n] += sum_i phi~(q_i) [dO_i, c^_i]^T over one query tile, for the warp's 16 features (rows of acc) and the
-// n-tiles of columns [0, D + 8): phi~ from the sigma tables in fp32, times 1/den, in two tf32 halves; dO (from
-// dO^T in s.vt) exact in tf32; c^ in two tf32 halves in columns D (hi) and D + 1 (lo): y's term is their sum.
-template <typename T, int D>
+// n-tiles of columns [0, D + 8): phi~ from the sigma tables in fp32 (PHI_TILE: from the fp32 phi(q) tile in
+// kt.g), times 1/den, in two tf32 halves; dO (from dO^T in s.vt) exact in tf32; c^ in two tf32 halves in
+// columns D (hi) and D + 1 (lo): y's term is their sum.
+template <typename T, int D, bool PHI_TILE = false>
 __device__ __forceinline__ void query_state_delta(const Params& p, const Tiles<T, D>& s, const DkvTiles<T, D>& kt,
                                                   float (&acc)[D / 8 + 1][4]) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
@@ -450,7 +456,8 @@ __device__ __forceinline__ void query_state_delta(const Params& p, const Tiles<T
 #pragma unroll
   for (int kk = 0; kk < kC / 8; ++kk) {
     uint32_t ahi[4], alo[4];
-    phi_frag<false>(p, s.sp, s.sm, nullptr, kt.inv, f0, kk, ahi, alo);
+    if constexpr (PHI_TILE) phi_frag_tile<false>(kt.g, kt.inv, f0, kk, ahi, alo);
+    else phi_frag<false>(p, s.sp, s.sm, nullptr, kt.inv, f0, kk, ahi, alo);
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {  // B register e: query kk * 8 + t + 4 e, column n * 8 + g
       const T* row = s.vt + (n * 8 + g) * kT + kk * 8 + t;
@@ -468,11 +475,12 @@ __device__ __forceinline__ void query_state_delta(const Params& p, const Tiles<T
 }
 
 // Query tile m for the key side: the forward's query_tile (flags, q's sigma tables in s.sp / s.sm, fp16 phi(q)
-// into phq), 1/den and c^, dO^T into s.vt; with `intra` also phi(q) in T halves into pkt. Ends with a barrier.
+// into phq, or fp32 into phi32 instead when that is not null), 1/den and c^, dO^T into s.vt; with `intra` also
+// phi(q) in T halves into pkt. Ends with a barrier.
 template <typename T, int D>
 __device__ void key_side_query_tile(const Params& p, const Heads<T>& hd, const T* dout, int m, bool intra,
-                                    Tiles<T, D>& s, DkvTiles<T, D>& kt) {
-  query_tile<T, D>(p, hd, m, s);
+                                    Tiles<T, D>& s, DkvTiles<T, D>& kt, float* phi32 = nullptr) {
+  query_tile<T, D>(p, hd, m, s, nullptr, nullptr, nullptr, phi32);
   query_rows<T, D>(p, hd.bh, m, kt);
   load_vt<T, D>(dout, p.sdo.n, m * kC, s.okq, s.vt);
   if (intra) features<T>(p, s.okq, s.sp, s.sm, nullptr, s.pkt);
@@ -609,7 +617,7 @@ __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_
 // Step (2): per (group, q head, batch), sum_i phi~(q_i) [dO_i, c^_i]^T over the group's query tiles (causal: tiles
 // kappa - kappa0 of key chunks [16 grp, 16 grp + 16); non-causal: tiles [16 grp, 16 grp + 16)) into slot grp of
 // p.qstate / p.qz (groups + 1 slots; race_scan_fwd_kernel with reverse = 1 then makes them suffix sums).
-template <typename T, int D>
+template <typename T, int D, bool PHI_TILE = false>
 __global__ void __launch_bounds__(kThreads) race_group_qstate_bwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
   Tiles<T, D> s(smem_raw);
@@ -623,8 +631,8 @@ __global__ void __launch_bounds__(kThreads) race_group_qstate_bwd_kernel(const P
   for (int it = first; it < end; ++it) {
     const int m = p.causal ? it - p.kappa0 : it;
     if (m < 0) continue;
-    key_side_query_tile<T, D>(p, hd, dout, m, false, s, kt);
-    query_state_delta<T, D>(p, s, kt, acc);
+    key_side_query_tile<T, D>(p, hd, dout, m, false, s, kt, PHI_TILE ? kt.g : nullptr);  // phq is not read here
+    query_state_delta<T, D, PHI_TILE>(p, s, kt, acc);
   }
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
   const int slots = (p.causal ? p.ngk : p.ngq) + 1;

@@ -258,8 +258,9 @@ def phi_tile_cases():
 
 
 def test_phi_tile_dq_is_bitwise_the_default(tmp_path):
-    """HFAB_RACE_PHI_TILE=1 (read once per process, hence a subprocess) builds each query tile's fp32 phi(q) once, with
-    the products of the default's per-use rebuild in the same order: every gradient must be identical, bit for bit."""
+    """HFAB_RACE_PHI_TILE=1 (read once per process, hence a subprocess): the dq and query-state kernels build each query
+    tile's fp32 phi(q) once, with the products of the default's per-use rebuild in the same order: every gradient
+    must be identical, bit for bit."""
     path = tmp_path / "phi_tile.pt"
     script = f"import torch; from tests.ops.test_race_cuda import phi_tile_cases; torch.save(phi_tile_cases(), {str(path)!r})"
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "HFAB_RACE_PHI_TILE": "1"},
