@@ -164,11 +164,13 @@ inline bool tc_forward_applies(const at::Tensor& q, const Params& p, const c10::
 // features its dbeta partials were 2.5x over the tests' bound (issue 6, csrc/race/NOTES.md).
 // HFAB_RACE_TC_BACKWARD=0 selects the whole CUDA-core backward (race_dq_bwd_kernel, race_dkv_bwd_kernel) instead,
 // for comparison and testing.
+inline bool env_is(const char* name, const char* value) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::string(env) == value;
+}
+
 inline bool tensor_core_backward_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("HFAB_RACE_TC_BACKWARD");
-    return env == nullptr || std::string(env) != "0";
-  }();
+  static const bool enabled = !env_is("HFAB_RACE_TC_BACKWARD", "0");  // read once per process
   return enabled;
 }
 
@@ -177,10 +179,7 @@ inline bool tensor_core_backward_enabled() {
 // true>) instead of rebuilding every value from the sigma tables at each use (phi_at: a run-time loop over P per
 // value). Off by default until GPU-verified (issue 6).
 inline bool phi_tile_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("HFAB_RACE_PHI_TILE");
-    return env != nullptr && std::string(env) == "1";
-  }();
+  static const bool enabled = env_is("HFAB_RACE_PHI_TILE", "1");
   return enabled;
 }
 
