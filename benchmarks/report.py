@@ -54,8 +54,20 @@ def device_slug(device: torch.device) -> str:
     return "-".join("".join(c if c.isalnum() else " " for c in device_name(device).lower()).split())
 
 
+KERNEL_SWITCHES = ("HFAB_RACE_TC_BACKWARD", "HFAB_RACE_PHI_TILE")
+
+
+def kernel_switches() -> list[str]:
+    """``NAME=value`` for each kernel run-time switch set in the environment (csrc/race/race_host.cuh)."""
+    return [f"{name}={os.environ[name]}" for name in KERNEL_SWITCHES if name in os.environ]
+
+
 def environment(device: torch.device) -> dict:
-    """The per-run columns: date (UTC), run_id, GPU, torch, CUDA, git SHA, whether the extension loaded."""
+    """The per-run columns: date (UTC), run_id, GPU, torch, CUDA, git SHA, whether the extension loaded.
+
+    ``extension`` also names the kernels' run-time switches that are set (``loaded HFAB_RACE_PHI_TILE=1``), so
+    rows of an A/B run stay apart.
+    """
     from hf_attention_backends import _ext
     now = datetime.datetime.now(datetime.timezone.utc)
     return {
@@ -65,7 +77,7 @@ def environment(device: torch.device) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none",
         "git_sha": git_sha(),
-        "extension": "loaded" if _ext.extension_loaded() else "absent",
+        "extension": " ".join(["loaded" if _ext.extension_loaded() else "absent", *kernel_switches()]),
         "device": str(device),
     }
 

@@ -403,3 +403,12 @@ def test_race_calibration_sweep_reports_each_shape(capsys):
         assert r["layers"] > 0 and 0 < r["sum_after"] <= r["sum_before"] + 1e-9
     with pytest.raises(SystemExit):
         sweep.main(["--shapes", "4by4"])
+
+
+def test_environment_names_the_kernel_switches_that_are_set(monkeypatch):
+    for name in report.KERNEL_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    plain = report.environment(torch.device("cpu"))["extension"]
+    assert plain in ("loaded", "absent")
+    monkeypatch.setenv("HFAB_RACE_PHI_TILE", "1")
+    assert report.environment(torch.device("cpu"))["extension"] == f"{plain} HFAB_RACE_PHI_TILE=1"
