@@ -42,8 +42,9 @@ void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int
         race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), hq, b), kThreads, 0, stream>>>(
             p.qstate, p.qz, groups, p.features * D, p.features, p.hq, 1);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-        launch_bytes(op, tc::race_group_dkv_bwd_kernel<T, D>, dim3(p.ngk, kv, b), tc::kThreads,
-                     tc::DkvTiles<T, D>::bytes, p, device, stream);
+        launch_bytes(op, phi_tile_enabled() ? tc::race_group_dkv_bwd_kernel<T, D, true>
+                                            : tc::race_group_dkv_bwd_kernel<T, D, false>,
+                     dim3(p.ngk, kv, b), tc::kThreads, tc::DkvTiles<T, D>::bytes, p, device, stream);
         return;
       }
     }

@@ -524,7 +524,9 @@ __device__ __forceinline__ void add_head(const Params& p, int g, float* scratch,
 // features (they feed dv only), a / den in T halves (row-scaled) times dO exact; v B^T with v exact and B in two
 // tf32 halves; y in fp32 on CUDA cores; v dO^T exact in T; (v . dO - c^) / den in T halves (row-scaled) times phi(q)
 // in T halves: every product that feeds dphi(k), hence dbeta, is fp32-accurate.
-template <typename T, int D>
+// PHI_TILE: phi(k) in fp32 is built once per chunk into the g tile's storage (after the intra scores have read phq,
+// phk there) and read where the default rebuilds each value from the sigma tables (phi_at): the same values.
+template <typename T, int D, bool PHI_TILE = false>
 __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_head, bool intra,
                           Tiles<T, D>& s, DkvTiles<T, D>& kt) {
   constexpr int kX = D + 8;
@@ -547,11 +549,17 @@ __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_
         }
       split_product<T, D / 8>(sc, s.vt, static_cast<const T*>(nullptr), D / 8, dv);
     }
+    if constexpr (PHI_TILE) {
+      __syncthreads();  // every warp is done with phq, phk (the fp32 phi(k) tile's storage)
+      features<T>(p, s.okk, kt.spk, kt.smk, nullptr, nullptr, kt.g);
+      __syncthreads();
+    }
 #pragma unroll
     for (int kk = 0; kk < kS / 8; ++kk) {
       if (kk >= nf) continue;
       uint32_t khi[4], klo[4];
-      phi_frag<true>(p, kt.spk, kt.smk, s.okk, nullptr, r0, kk, khi, klo);
+      if constexpr (PHI_TILE) phi_frag_tile<true>(kt.g, nullptr, r0, kk, khi, klo);
+      else phi_frag<true>(p, kt.spk, kt.smk, s.okk, nullptr, r0, kk, khi, klo);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n) {
         uint32_t bhi[2], blo[2];
@@ -586,14 +594,17 @@ __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_
     split_product<T, kS / 8>(ds, s.pkt, s.pkt + kS * kT, nf, dphi);
   }
   rows_times_state<T, D>(s.x, s.st, nf, dphi);
-  __syncthreads();  // every warp is done with phq, phk (the g tile's storage) and with v in x (w's storage)
+  __syncthreads();  // every warp is done with the g tile's storage (phq, phk or phi(k)) and with v in x (w's storage)
 #pragma unroll
   for (int n = 0; n < kS / 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int j = r0 + g + 8 * (e / 2), f = n * 8 + 2 * t + (e & 1);
       float val = 0.f;
-      if (f < p.features && s.okk[j]) val = (dphi[n][e] - s.st[f * kX + D]) * phi_at(p, kt.spk, kt.smk, j, f);
+      if (f < p.features && s.okk[j]) {  // PHI_TILE: this thread alone reads phi(k)[j][f], then writes g
+        const float phi = PHI_TILE ? kt.g[j * kG + f] : phi_at(p, kt.spk, kt.smk, j, f);
+        val = (dphi[n][e] - s.st[f * kX + D]) * phi;
+      }
       kt.g[j * kG + f] = val;
     }
   __syncthreads();
@@ -653,7 +664,7 @@ __global__ void __launch_bounds__(kThreads) race_group_qstate_bwd_kernel(const P
 // blockIdx.z. The GQA group's q heads in order, outermost (one suffix state in st at a time); per head the group's
 // chunks in reverse order from slot grp + 1 (non-causal: the total), causal: then st += the chunk's query tile.
 // dk, dv summed over the heads in fixed order (add_head), no atomics.
-template <typename T, int D>
+template <typename T, int D, bool PHI_TILE = false>
 __global__ void __launch_bounds__(kThreads, 1) race_group_dkv_bwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
   Tiles<T, D> s(smem_raw);
@@ -673,7 +684,7 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dkv_bwd_kernel(const P
       const int m = p.causal ? kappa - p.kappa0 : -1;  // the query tile whose diagonal is in this chunk
       if (m >= 0) key_side_query_tile<T, D>(p, hd, dout, m, true, s, kt);
       key_side_chunk<T, D>(p, hd, b, kappa, m >= 0, s, kt);
-      chunk_dkv<T, D>(p, hd, kappa, gh, m >= 0, s, kt);
+      chunk_dkv<T, D, PHI_TILE>(p, hd, kappa, gh, m >= 0, s, kt);
       if (m < 0 || kappa == first) continue;
       float delta[D / 8 + 1][4] = {};  // st += tile m: the state of the tiles after m - 1
       query_state_delta<T, D>(p, s, kt, delta);

@@ -244,11 +244,13 @@ def test_cuda_core_dq_selected_by_the_environment_meets_the_same_bounds():
 
 
 def phi_tile_cases():
-    """(dq, dk, dv, dbeta) of the tensor-core backward over P = 1..6, D = 32/64 (the PHI_TILE dq's head dims),
-    GQA, padding, causal and not."""
+    """(dq, dk, dv, dbeta) of the tensor-core backward over P = 1..6, D = 32/64/128, fp16 and bf16, GQA, padding, causal
+    and not."""
+    bf16, f16 = torch.bfloat16, torch.float16
     results = []
-    for num_planes, num_tables, d in [(1, 1, 64), (2, 3, 32), (3, 8, 64), (4, 4, 64), (5, 2, 32), (6, 1, 64)]:
-        q, k, v = make_inputs(2, 4, 2, 1100, 1100, d, dtype=torch.bfloat16, seed=num_planes)
+    for num_planes, num_tables, d, dtype in [(1, 1, 64, bf16), (2, 3, 32, f16), (3, 8, 64, bf16), (4, 4, 128, f16),
+                                             (5, 2, 32, bf16), (6, 1, 64, f16)]:
+        q, k, v = make_inputs(2, 4, 2, 1100, 1100, d, dtype=dtype, seed=num_planes)
         dout = torch.randn(q.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(7)).to(q.dtype)
         mask = make_padding(2, 1100, left=True, seed=d).to(DEV)
         planes = make_planes(num_tables, num_planes, d, seed=num_planes)
@@ -257,18 +259,18 @@ def phi_tile_cases():
     return [[g.cpu() for g in grads] for grads in results]
 
 
-def test_phi_tile_dq_is_bitwise_the_default(tmp_path):
-    """HFAB_RACE_PHI_TILE=1 (read once per process, hence a subprocess): the dq and query-state kernels build each query
-    tile's fp32 phi(q) once, with the products of the default's per-use rebuild in the same order: every gradient
-    must be identical, bit for bit."""
-    path = tmp_path / "phi_tile.pt"
+def test_phi_tile_is_bitwise_the_per_use_rebuild(tmp_path):
+    """By default the dq and query-state kernels build each query tile's fp32 phi(q) once, and the dk/dv kernel each key
+    chunk's phi(k), with the products of the per-use rebuild (HFAB_RACE_PHI_TILE=0, read once per process, hence a
+    subprocess) in the same order: every gradient must be identical, bit for bit."""
+    path = tmp_path / "per_use.pt"
     script = f"import torch; from tests.ops.test_race_cuda import phi_tile_cases; torch.save(phi_tile_cases(), {str(path)!r})"
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "HFAB_RACE_PHI_TILE": "1"},
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "HFAB_RACE_PHI_TILE": "0"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for case, (tiled, default) in enumerate(zip(torch.load(path), phi_tile_cases())):
-        for name, a, b in zip(("dq", "dk", "dv", "dbeta"), tiled, default):
-            assert torch.equal(a, b), f"case {case}: {name} differs with HFAB_RACE_PHI_TILE=1"
+    for case, (per_use, tiled) in enumerate(zip(torch.load(path), phi_tile_cases())):
+        for name, a, b in zip(("dq", "dk", "dv", "dbeta"), per_use, tiled):
+            assert torch.equal(a, b), f"case {case}: {name} differs between HFAB_RACE_PHI_TILE=0 and the default"
 
 
 @pytest.mark.parametrize("num_planes, num_tables, d", [(1, 1, 64), (2, 3, 32), (3, 8, 128), (5, 2, 32), (6, 1, 128)])
