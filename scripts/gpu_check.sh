@@ -22,6 +22,8 @@
 #   BENCH_SIZE_BUDGET seconds one (case, N, provider, mode) may take (default 20)
 #   BENCH_DEVICE      cuda (default) | cpu (tiny shapes: checks this script on a machine without a GPU)
 #   BENCH_RESULTS_DIR where the CSV (appended) and PNG go (default benchmarks/results)
+#   HFAB_GIT_SHA      the commit the CSV rows name (default: git HEAD here; a copied tree's .git may be stale:
+#                     pass HFAB_GIT_SHA=$(git rev-parse --short HEAD) from the machine that sends the tree)
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
