@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -90,11 +90,14 @@ def check_compatible(state: dict, *, num_processes: int, batch_size: int, grad_a
                          + "; the data position is counted in per-process batches of a seeded order, so these must match")
 
 
-def save_checkpoint(accelerator, out_dir, state: dict, keep: int) -> Optional[Path]:
-    """``accelerator.save_state`` (every process) + trainer_state.json (main), then delete all but the newest
-    ``keep`` checkpoints (0 = keep all). Returns the folder."""
+def save_checkpoint(accelerator, out_dir, state: dict, keep: int,
+                    extra: Optional[Callable[[Path], None]] = None) -> Optional[Path]:
+    """``accelerator.save_state`` and ``extra(folder)`` (every process) + trainer_state.json (main), then delete all
+    but the newest ``keep`` checkpoints (0 = keep all). Returns the folder."""
     path = checkpoint_dir(out_dir, state["stage"], state["step"])
     accelerator.save_state(str(path), safe_serialization=False)  # pickle: tied weights need no special case
+    if extra is not None:
+        extra(path)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (path / STATE_FILE).write_text(json.dumps(state, indent=1))

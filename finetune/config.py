@@ -21,7 +21,7 @@ fine_tune: {steps: 200, lr: 1e-4, method: lora | full | none, lora_r: 8, lora_al
             hidden_weight: 0.0, embedding_weight: 0.0, temperature: 1.0, train_hfab: true}
 train:     {grad_accum: 1, warmup_steps: 0, clip: 1.0, weight_decay: 0.0, mixed_precision: null | no | bf16 | fp16,
             log_every: 10, eval_every: 0, eval_batches: null, gradient_checkpointing: false,
-            save_every: 0, keep_checkpoints: 2, tensorboard: false, plot: true}
+            save_every: 0, keep_checkpoints: 2, keep_best: false, tensorboard: false, plot: true}
 ```
 
 A recipe can be changed from the command line without copying it: ``--set section.key=value`` (repeatable;
@@ -123,7 +123,10 @@ class TrainSpec:
     """Optimisation shared by both stages; ``mixed_precision`` None leaves it to the accelerate config.
 
     ``save_every``: a resumable checkpoint every N optimizer steps of a stage and at each stage's end (0 =
-    none); ``keep_checkpoints``: how many of the newest to keep (0 = all). ``tensorboard``: also write
+    none); ``keep_checkpoints``: how many of the newest to keep (0 = all). ``keep_best``: the fine-tune stage
+    also evaluates at its last step and ends with the trainable parameters of its best held-out evaluation
+    (lowest perplexity; highest cosine for encoders), so a schedule that overfits keeps its best point; needs
+    ``eval_every`` > 0. ``tensorboard``: also write
     TensorBoard scalars (needs the ``tensorboard`` package); ``plot``: write ``curves.png`` at the end.
     """
     grad_accum: int = 1
@@ -137,6 +140,7 @@ class TrainSpec:
     gradient_checkpointing: bool = False
     save_every: int = 0
     keep_checkpoints: int = 2
+    keep_best: bool = False
     tensorboard: bool = False
     plot: bool = True
 
@@ -334,6 +338,10 @@ def _check(r: Recipe) -> None:
     _positive("train.eval_every", t.eval_every, zero_ok=True)
     _positive("train.save_every", t.save_every, zero_ok=True)
     _positive("train.keep_checkpoints", t.keep_checkpoints, zero_ok=True)
+    if t.keep_best and not (t.eval_every and r.fine_tune.steps):
+        raise ConfigError(f"train.keep_best=true needs train.eval_every > 0 and fine_tune.steps > 0 (got eval_every="
+                          f"{t.eval_every}, fine_tune.steps={r.fine_tune.steps}): it keeps the fine-tune stage's best "
+                          "evaluation")
     if t.eval_batches is not None and (isinstance(t.eval_batches, bool) or not isinstance(t.eval_batches, int)
                                        or t.eval_batches < 1):
         raise ConfigError(f"train.eval_batches={t.eval_batches!r} must be null (all) or an int >= 1")

@@ -245,9 +245,51 @@ def lr_groups(model, params: list, named_lr: Optional[float]) -> list:
     return [g for g in ({"params": added}, {"params": named, "lr": named_lr}) if g["params"]]
 
 
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """This process's part of parameter ``p`` (its shard under FSDP2's DTensor parameters)."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+class BestKeeper:
+    """The trainable parameters at a stage's best held-out evaluation (``train.keep_best``): lowest ``ppl``, or highest
+    ``cosine`` for encoders. Each process keeps a CPU copy of its own part of each parameter (its shards under FSDP),
+    so restoring needs no communication; checkpoints carry the copy (``best-<process>.pt``) for an exact resume."""
+
+    def __init__(self, params: list):
+        self.params = params
+        self.step: Optional[int] = None
+        self.metrics: Optional[dict] = None
+        self.saved: Optional[list] = None
+
+    @staticmethod
+    def score(metrics: dict) -> float:
+        return -metrics["ppl"] if "ppl" in metrics else metrics["cosine"]
+
+    def offer(self, step: int, metrics: dict) -> None:
+        if self.metrics is None or self.score(metrics) > self.score(self.metrics):
+            self.step, self.metrics = step, metrics
+            self.saved = [local_tensor(p).detach().to("cpu", copy=True) for p in self.params]
+
+    def restore(self) -> None:
+        assert self.saved is not None, "restore before any evaluation was offered"
+        with torch.no_grad():
+            for p, saved in zip(self.params, self.saved):
+                local_tensor(p).copy_(saved)
+
+    def position(self) -> dict:
+        return {"step": self.step, "metrics": self.metrics}
+
+    def write(self, path: Path, process: int) -> None:
+        torch.save(self.saved, Path(path) / f"best-{process}.pt")
+
+    def read(self, path: Path, process: int, position: dict) -> None:
+        self.step, self.metrics = position["step"], position["metrics"]
+        self.saved = torch.load(Path(path) / f"best-{process}.pt")
+
+
 def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: int, lr: float, recipe: Recipe,
-              log: Optional[RunLog], evaluate_fn, *, save: Optional[Callable[[dict], None]] = None,
-              resume: Optional[tuple[Path, dict]] = None) -> tuple[object, list[float]]:
+              log: Optional[RunLog], evaluate_fn, *, save: Optional[Callable[[dict, Optional[BestKeeper]], None]] = None,
+              resume: Optional[tuple[Path, dict]] = None, keep_best: bool = False) -> tuple[object, list[float]]:
     """``steps`` optimizer steps of AdamW on ``params`` (tensors, or groups from :func:`lr_groups`) minimising
     ``loss_fn(wrapped_model, batch)``.
 
@@ -260,8 +302,10 @@ def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: in
     ``train.save_every`` steps and at the last step (``run`` writes the checkpoint); resume: (checkpoint
     folder, its trainer_state) of this stage: the accelerate state is loaded after ``prepare`` and the loop
     continues from the saved data position. Starts with ``accelerator.free_memory()``, so the accelerate
-    state of the previous stage is not saved with this one's.
-    Returns (the prepared model, per-step losses from step 1).
+    state of the previous stage is not saved with this one's. keep_best: every evaluation, and one at the
+    last step, is offered to a :class:`BestKeeper`, whose parameters the stage ends with (logged as a
+    ``best`` event).
+    Returns (the prepared model, per-step losses from step 1, the BestKeeper or None).
     """
     if not params:
         raise ConfigError(f"{stage}.steps={steps} but no parameter is trainable in this stage (e.g. Stieltjes adds "
@@ -274,6 +318,7 @@ def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: in
     clip_params = [p for p in wrapped.parameters() if p.requires_grad]  # FSDP may have replaced the tensors
     optimizer.zero_grad()  # a gradient left by earlier code (calibration) must not enter the first step
     step, epoch, skip, losses = 0, 0, 0, []
+    best = BestKeeper(clip_params) if keep_best else None
     if resume is not None:
         path, state = resume
         if state["step"] > steps:
@@ -281,6 +326,8 @@ def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: in
         accelerator.load_state(str(path))
         scheduler.load_state_dict(state["scheduler"])
         step, epoch, skip, losses = state["step"], state["epoch"], state["batch_in_epoch"], list(state["losses"])
+        if best is not None and state.get("best"):
+            best.read(path, accelerator.process_index, state["best"])
     sampler = getattr(loader, "sampler", None)
     wrapped.train()
     bar = tqdm(total=steps, initial=step, desc=stage, disable=not accelerator.is_local_main_process)
@@ -315,11 +362,17 @@ def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: in
                     log.metrics(stage, step, loss=losses[-1], lr=scheduler.get_last_lr()[0],
                                 grad_norm=float(grad_norm), tokens_per_s=round(seen / max(now - since, 1e-9), 1))
                 tokens, since = 0, now
-            if t.eval_every and step % t.eval_every == 0 and step < steps and log is not None:
-                log.metrics(stage, step, eval=evaluate_fn(wrapped))
+            due = t.eval_every and (step % t.eval_every == 0 and step < steps or best is not None and step == steps)
+            if due and (log is not None or best is not None):
+                metrics = evaluate_fn(wrapped)
+                if log is not None:
+                    log.metrics(stage, step, eval=metrics)
+                if best is not None:
+                    best.offer(step, metrics)
             if save is not None and t.save_every and (step % t.save_every == 0 or step == steps):
                 save({"stage": stage, "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch,
-                      "scheduler": scheduler.state_dict(), "losses": losses})
+                      "scheduler": scheduler.state_dict(), "losses": losses,
+                      "best": best.position() if best is not None else None}, best)
             if step >= steps:
                 break
         else:  # the pass ended: the next one starts at its first batch
@@ -327,7 +380,11 @@ def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: in
             continue
         break
     bar.close()
-    return wrapped, losses
+    if best is not None:
+        best.restore()
+        if log is not None:
+            log.event(stage=stage, best_step=best.step, best=best.metrics)
+    return wrapped, losses, best
 
 
 def save(accelerator, model, tokenizer, path: Path) -> None:
@@ -426,11 +483,12 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
             summary["calibrated"] = evaluate_fn(student)
             log.metrics("calibrated", 0, eval=summary["calibrated"])
 
-    def saver(position: dict) -> None:
+    def saver(position: dict, best: Optional[BestKeeper] = None) -> None:
         full = {**position, "sampler_seed": recipe.seed, "num_processes": accelerator.num_processes,
                 "batch_size": d.batch_size, "grad_accum": t.grad_accum, "summary": summary,
                 "elapsed_s": log.elapsed()}
-        path = save_checkpoint(accelerator, out_dir, full, t.keep_checkpoints)
+        extra = None if best is None or best.saved is None else lambda path: best.write(path, accelerator.process_index)
+        path = save_checkpoint(accelerator, out_dir, full, t.keep_checkpoints, extra)
         log.event(event="checkpoint", path=str(path), stage=position["stage"], step=position["step"])
 
     def resume_for(stage: str):
@@ -456,7 +514,7 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
                 with forcing.paused():
                     return evaluate_fn(wrapped)
 
-            model, losses = run_stage("transfer", accelerator, student, params, transfer_loss, train_loader,
+            model, losses, _ = run_stage("transfer", accelerator, student, params, transfer_loss, train_loader,
                                       recipe.transfer.steps, recipe.transfer.lr, recipe, log, evaluate_student,
                                       save=saver, resume=resume_for("transfer"))
         summary["transfer"] = {"first_loss": losses[0], "last_loss": losses[-1], "eval": evaluate_fn(model)}
@@ -519,14 +577,17 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
                                      {k: v.to(accelerator.device) for k, v in first_rows.items()})
         if unused:
             log.event(stage="fine_tune", frozen_unused=unused)
-        model, losses = run_stage("fine_tune", accelerator, model, params, finetune_loss, train_loader, ft.steps,
-                                  ft.lr, recipe, log, evaluate_fn, save=saver, resume=resume_for("fine_tune"))
+        model, losses, best = run_stage("fine_tune", accelerator, model, params, finetune_loss, train_loader, ft.steps,
+                                  ft.lr, recipe, log, evaluate_fn, save=saver, resume=resume_for("fine_tune"),
+                                  keep_best=t.keep_best)
         model = accelerator.unwrap_model(model)
         if t.gradient_checkpointing:
             model.gradient_checkpointing_disable()
         if ft.method == "lora":
             model = merged_lora(accelerator, model, template)
         summary["fine_tune"] = {"first_loss": losses[0], "last_loss": losses[-1]}
+        if best is not None:
+            summary["fine_tune"]["kept_best"] = best.position()
 
     summary["final"] = evaluate_fn(model)
     log.metrics("final", 0, eval=summary["final"])

@@ -18,7 +18,8 @@ from finetune.data import (ByteTokenizer, encode, load_documents, split_document
 from finetune.models import load_model
 from finetune.checkpoint import EpochSampler, check_compatible, list_checkpoints, resolve_resume
 from finetune.logs import CSV_COLUMNS, RunLog, read_csv
-from finetune.train import drop_unused, embedding_loss, lr_groups, next_token_nll, run, run_stage, trainable
+from finetune.train import (BestKeeper, drop_unused, embedding_loss, lr_groups, next_token_nll, run, run_stage,
+                            trainable)
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "finetune" / "tiny_smoke.yaml"
@@ -49,6 +50,7 @@ def test_shipped_recipes_validate(name):
     ({"transfer": {"train": ["q_proj"], "train_lr": 0}}, r"transfer.train_lr=0.0 must be > 0"),
     ({"transfer": {"train": ["q_proj"], "train_lr": "fast"}}, r"transfer.train_lr must be a float, got str"),
     ({"data": {"train_unit": "pages"}}, r"data.train_unit='pages' is not supported; supported: rows, sentences"),
+    ({"train": {"keep_best": True}}, r"train.keep_best=true needs train.eval_every > 0 and fine_tune.steps > 0"),
 ])
 def test_config_validation_errors(data, match):
     with pytest.raises(ConfigError, match=match):
@@ -188,7 +190,7 @@ def test_attention_transfer_and_lm_loss_decrease():
             wrapped(**forward_kwargs(student, batch))
             return sum(forcing.losses().values()) / len(forcing.terms)
 
-        _, losses = run_stage("transfer", accelerator, student, params, transfer_loss, batches, 12, 0.1, recipe,
+        _, losses, _ = run_stage("transfer", accelerator, student, params, transfer_loss, batches, 12, 0.1, recipe,
                               None, None)
     assert len(losses) == 12
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.9 * losses[0], losses
@@ -199,7 +201,7 @@ def test_attention_transfer_and_lm_loss_decrease():
 
     student.requires_grad_(True)
     params = list(student.parameters())
-    _, losses = run_stage("fine_tune", accelerator, student, params, lm_loss, batches, 8, 3e-3, recipe,
+    _, losses, _ = run_stage("fine_tune", accelerator, student, params, lm_loss, batches, 8, 3e-3, recipe,
                           None, None)
     assert losses[-1] < 0.9 * losses[0], losses
 
@@ -244,6 +246,34 @@ def test_drop_unused_freezes_what_the_loss_never_reaches_and_keeps_rng_and_grads
     assert all(p.grad is None for p in params) and torch.equal(torch.get_rng_state(), rng)
 
 
+@pytest.mark.parametrize("metric, scores, best_step", [("ppl", [5.0, 3.0, 4.0], 4), ("cosine", [0.5, 0.7, 0.9], 6)])
+def test_keep_best_ends_the_stage_with_the_parameters_of_its_best_evaluation(metric, scores, best_step):
+    """Evaluations at steps 2 and 4 (eval_every) and 6 (the last step, keep_best): the stage must end with the
+    parameters the evaluation saw at the best one (lowest perplexity, highest cosine), not the last step's."""
+    model, tok, _ = load_model("tiny_llama")
+    student = hfab.convert(model, "race", num_planes=2, num_tables=2)
+    student.requires_grad_(True)
+    recipe = Recipe()
+    recipe.train.log_every, recipe.train.eval_every = 100, 2
+    seen, steps = {}, iter([2, 4, 6])
+
+    def evaluate_fn(wrapped):
+        step = next(steps)
+        seen[step] = {n: p.detach().clone() for n, p in wrapped.named_parameters()}
+        return {metric: scores[step // 2 - 1]}
+
+    def lm_loss(wrapped, batch):
+        nll, count = next_token_nll(wrapped(**forward_kwargs(student, batch)).logits, batch["labels"])
+        return nll / count
+
+    wrapped, _, best = run_stage("fine_tune", Accelerator(cpu=True), student, list(student.parameters()), lm_loss,
+                                 loader(tok, n=4), 6, 3e-3, recipe, None, evaluate_fn, keep_best=True)
+    assert sorted(seen) == [2, 4, 6] and best.step == best_step
+    assert not torch.equal(seen[best_step]["lm_head.weight"], seen[2]["lm_head.weight"])  # training moved it
+    for name, p in wrapped.named_parameters():
+        assert torch.equal(p, seen[best_step][name]), name
+
+
 def test_embedding_loss_trains_a_converted_encoder_towards_its_teacher():
     """A teacher with other weights (seed 1), so that the loss starts far from 0; dropout off: every step is exact."""
     teacher, tok, causal = load_model("tiny_bert", seed=1)
@@ -263,7 +293,7 @@ def test_embedding_loss_trains_a_converted_encoder_towards_its_teacher():
         return embedding_loss(accelerator, wrapped(**kwargs), ref, batch["attention_mask"])
 
     student.requires_grad_(True)
-    _, losses = run_stage("fine_tune", accelerator, student, list(student.parameters()), loss_fn, loader(tok, n=4),
+    _, losses, _ = run_stage("fine_tune", accelerator, student, list(student.parameters()), loss_fn, loader(tok, n=4),
                           8, 3e-3, recipe, None, None)
     assert losses[0] > 0.5 and all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.1, losses
 
@@ -345,15 +375,24 @@ def comparable(rows):
 
 
 @pytest.mark.slow
-def test_checkpoint_resumes_to_the_identical_next_step(tmp_path):
-    # one run: 3 transfer + 3 fine-tune steps, checkpoints at step 2 and 3 of each stage, calibration first
+@pytest.mark.parametrize("keep_best", [False, True])
+def test_checkpoint_resumes_to_the_identical_next_step(tmp_path, monkeypatch, keep_best):
+    # one run: 3 transfer + 3 fine-tune steps, checkpoints at step 2 and 3 of each stage, calibration first;
+    # keep_best: the fine-tune checkpoints also carry the parameters of the best evaluation so far. The smoke run
+    # improves at every step, so "best" is made the highest perplexity: step 2's parameters, which the resume from
+    # fine_tune-000002 must read from that checkpoint to end where the first run ended.
+    if keep_best:
+        monkeypatch.setattr(BestKeeper, "score", staticmethod(lambda metrics: metrics["ppl"]))
+
     def recipe(out_dir):
-        r = smoke_recipe(out_dir, eval_every=2)  # an evaluation mid-transfer, on batches smaller than training's
+        # an evaluation mid-transfer, on batches smaller than training's
+        r = smoke_recipe(out_dir, eval_every=2, keep_best=keep_best)
         r.data.eval_batch_size = 3
         return r
 
     first = tmp_path / "first"
     summary = run(recipe(first))
+    assert summary["fine_tune"].get("kept_best", {}).get("step") == (2 if keep_best else None)
     rows = read_csv(first / "log.csv")
     names = [p.name for p in list_checkpoints(first)]
     assert names == ["transfer-000002", "transfer-000003", "fine_tune-000002", "fine_tune-000003"]
