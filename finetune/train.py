@@ -289,7 +289,8 @@ class BestKeeper:
 
 def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: int, lr: float, recipe: Recipe,
               log: Optional[RunLog], evaluate_fn, *, save: Optional[Callable[[dict, Optional[BestKeeper]], None]] = None,
-              resume: Optional[tuple[Path, dict]] = None, keep_best: bool = False) -> tuple[object, list[float]]:
+              resume: Optional[tuple[Path, dict]] = None,
+              keep_best: bool = False) -> tuple[object, list[float], Optional[BestKeeper]]:
     """``steps`` optimizer steps of AdamW on ``params`` (tensors, or groups from :func:`lr_groups`) minimising
     ``loss_fn(wrapped_model, batch)``.
 
@@ -304,7 +305,7 @@ def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: in
     continues from the saved data position. Starts with ``accelerator.free_memory()``, so the accelerate
     state of the previous stage is not saved with this one's. keep_best: every evaluation, and one at the
     last step, is offered to a :class:`BestKeeper`, whose parameters the stage ends with (logged as a
-    ``best`` event).
+    ``best_step`` event).
     Returns (the prepared model, per-step losses from step 1, the BestKeeper or None).
     """
     if not params:
