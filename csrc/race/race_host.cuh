@@ -214,7 +214,7 @@ void tc_key_states(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz
   p.kz = gz.data_ptr<float>();
   const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
   launch_bytes(op, tc::race_group_state_fwd_kernel<T, D>, dim3(p.ngk, h, b), tc::kThreads,
-               tc::Tiles<T, D>::state_kernel_bytes, p, device, stream);
+               tc::Tiles<T, D>::key_states_bytes, p, device, stream);
   const int elems = p.features * D + p.features;
   race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), h, b), kThreads, 0, stream>>>(
       p.kstate, p.kz, p.ngk, p.features * D, p.features, p.hq, 0);
@@ -228,8 +228,12 @@ void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, c
   tc_key_states<T, D>(op, p, gstate, gz, f32, batch, device, stream);
   const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
   const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
-  launch_bytes(op, tc::race_group_out_fwd_kernel<T, D>, dim3(blocks, h, b), tc::kThreads, tc::Tiles<T, D>::bytes, p,
-               device, stream);
+  if (p.causal)
+    launch_bytes(op, tc::race_group_out_fwd_kernel<T, D, true>, dim3(blocks, h, b), tc::kThreads, tc::Tiles<T, D>::bytes,
+                 p, device, stream);
+  else  // no key tiles: packed, fewer bytes per block
+    launch_bytes(op, tc::race_group_out_fwd_kernel<T, D, false>, dim3(blocks, h, b), tc::kThreads,
+                 tc::Tiles<T, D>::query_out_bytes, p, device, stream);
 }
 
 // Forward states: per key chunk phi(k)^T v and sum phi(k), then their exclusive prefix sums (slot nkc: total).

@@ -46,25 +46,46 @@ struct Tiles {
   static constexpr int ok_off = vt_off + kX * kT * 2;               // T v^T [d][key], row D = 1
   static constexpr int st_off = ok_off + 2 * kC * 4;                // flags of query rows, key rows
   static constexpr int bytes = st_off + kS * kX * 4;                // fp32 state [feature][d], column D = z
-  static constexpr int state_kernel_bytes = st_off;                 // race_group_state_fwd_kernel: no state tile
+  // Kernels that use part of the tiles pack them below the ones they skip (fewer bytes: more blocks per SM):
+  // kKeyStates (race_group_state_fwd_kernel): no phq, phk, st; pkt, vt and the flags move down to phq_off.
+  // kQueryOut (the non-causal race_group_out_fwd_kernel): no phk, pkt, vt; the flags and st move down to phk_off.
+  enum class Use { kAll, kKeyStates, kQueryOut };
+  static constexpr int ks_vt_off = phq_off + 2 * kS * kT * 2;
+  static constexpr int ks_ok_off = ks_vt_off + kX * kT * 2;
+  static constexpr int key_states_bytes = ks_ok_off + 2 * kC * 4;
+  static constexpr int qo_st_off = phk_off + 2 * kC * 4;
+  static constexpr int query_out_bytes = qo_st_off + kS * kX * 4;
+  static_assert(ks_vt_off % 16 == 0 && ks_ok_off % 16 == 0 && qo_st_off % 16 == 0, "16-byte aligned tiles");
+  static_assert(key_states_bytes <= st_off && query_out_bytes <= bytes, "packed layouts are smaller");
 
-  T *x, *w, *pkt, *vt;
-  float *sp, *sm, *st;
-  __half *phq, *phk;
+  T *x, *w, *pkt = nullptr, *vt = nullptr;
+  float *sp, *sm, *st = nullptr;
+  __half *phq = nullptr, *phk = nullptr;
   int *okq, *okk;
 
-  __device__ explicit Tiles(char* base)
+  __device__ explicit Tiles(char* base, Use use = Use::kAll)
       : x(reinterpret_cast<T*>(base)),
         w(reinterpret_cast<T*>(base + w_off)),
-        pkt(reinterpret_cast<T*>(base + pkt_off)),
-        vt(reinterpret_cast<T*>(base + vt_off)),
         sp(reinterpret_cast<float*>(base + sp_off)),
-        sm(sp + kC * kLPMax),
-        st(reinterpret_cast<float*>(base + st_off)),
-        phq(reinterpret_cast<__half*>(base + phq_off)),
-        phk(reinterpret_cast<__half*>(base + phk_off)),
-        okq(reinterpret_cast<int*>(base + ok_off)),
-        okk(okq + kC) {}
+        sm(sp + kC * kLPMax) {
+    if (use == Use::kKeyStates) {
+      pkt = reinterpret_cast<T*>(base + phq_off);
+      vt = reinterpret_cast<T*>(base + ks_vt_off);
+      okq = reinterpret_cast<int*>(base + ks_ok_off);
+    } else if (use == Use::kQueryOut) {
+      phq = reinterpret_cast<__half*>(base + phq_off);
+      okq = reinterpret_cast<int*>(base + phk_off);
+      st = reinterpret_cast<float*>(base + qo_st_off);
+    } else {
+      pkt = reinterpret_cast<T*>(base + pkt_off);
+      vt = reinterpret_cast<T*>(base + vt_off);
+      phq = reinterpret_cast<__half*>(base + phq_off);
+      phk = reinterpret_cast<__half*>(base + phk_off);
+      okq = reinterpret_cast<int*>(base + ok_off);
+      st = reinterpret_cast<float*>(base + st_off);
+    }
+    okk = okq + kC;
+  }
 };
 
 // Planes split into T halves (rows >= L*P are 0); rows D.. of v^T: a row of ones, then zeros.
@@ -78,6 +99,7 @@ __device__ void init_constants(const Params& p, Tiles<T, D>& s) {
     s.w[lt * kX + d] = hi;
     s.w[(kLPMax + lt) * kX + d] = lo;
   }
+  if (s.vt == nullptr) return;  // kQueryOut: no v^T tile
   for (int e = threadIdx.x; e < 8 * kC; e += kThreads) {
     const int r = e / kC, j = e % kC;
     s.vt[(D + r) * kT + j] = from_float<T>(r == 0 ? 1.f : 0.f);
@@ -292,7 +314,7 @@ __device__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa,
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) race_group_state_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
-  Tiles<T, D> s(smem_raw);
+  Tiles<T, D> s(smem_raw, Tiles<T, D>::Use::kKeyStates);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
   init_constants<T, D>(p, s);
@@ -489,34 +511,35 @@ __device__ __forceinline__ void advance_state(Tiles<T, D>& s) {
   }
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) race_group_out_fwd_kernel(const Params p) {
+// CAUSAL = p.causal, a template parameter so that each branch's tile layout is a compile-time constant.
+template <typename T, int D, bool CAUSAL>
+__global__ void __launch_bounds__(kThreads, 1) race_group_out_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
-  Tiles<T, D> s(smem_raw);
+  Tiles<T, D> s(smem_raw, CAUSAL ? Tiles<T, D>::Use::kAll : Tiles<T, D>::Use::kQueryOut);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
   T* out = static_cast<T*>(p.out) + hd.bh * p.nq * D;
   const int first = grp * kGroup;
-  const int end = min(p.causal ? p.nkc : p.nqt, first + kGroup);
-  if (p.causal && end - 1 < p.kappa0) return;  // only keys before the first query: no tile to write
+  const int end = min(CAUSAL ? p.nkc : p.nqt, first + kGroup);
+  if (CAUSAL && end - 1 < p.kappa0) return;  // only keys before the first query: no tile to write
   init_constants<T, D>(p, s);
   // before this group (causal: fp32, it grows) or the total (non-causal: read only, so rounded once)
-  load_state<T, D>(p, hd.bh, p.causal ? grp : p.ngk, s, !p.causal);
-  if (!p.causal) {
+  load_state<T, D>(p, hd.bh, CAUSAL ? grp : p.ngk, s, !CAUSAL);
+  if constexpr (!CAUSAL) {
     for (int m = first; m < end; ++m) {
       query_tile<T, D>(p, hd, m, s);
       tile_out<T, D, true>(p, s, false, m * kC, out);
     }
-    return;
-  }
-  for (int kappa = first; kappa < end; ++kappa) {
-    const int m = kappa - p.kappa0;  // the query tile whose diagonal is in this chunk
-    if (m >= 0) query_tile<T, D>(p, hd, m, s);
-    key_chunk<T, D>(p, hd, b, kappa, s, m >= 0);
-    if (m >= 0) tile_out<T, D>(p, s, true, m * kC, out);
-    if (kappa + 1 == end) break;
-    __syncthreads();  // every warp has read the state
-    advance_state<T, D>(s);
+  } else {
+    for (int kappa = first; kappa < end; ++kappa) {
+      const int m = kappa - p.kappa0;  // the query tile whose diagonal is in this chunk
+      if (m >= 0) query_tile<T, D>(p, hd, m, s);
+      key_chunk<T, D>(p, hd, b, kappa, s, m >= 0);
+      if (m >= 0) tile_out<T, D>(p, s, true, m * kC, out);
+      if (kappa + 1 == end) break;
+      __syncthreads();  // every warp has read the state
+      advance_state<T, D>(s);
+    }
   }
 }
 
