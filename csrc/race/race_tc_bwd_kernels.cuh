@@ -525,7 +525,7 @@ __device__ __forceinline__ void add_head(const Params& p, int g, float* scratch,
 // tf32 halves; y in fp32 on CUDA cores; v dO^T exact in T; (v . dO - c^) / den in T halves (row-scaled) times phi(q)
 // in T halves: every product that feeds dphi(k), hence dbeta, is fp32-accurate.
 // PHI_TILE: phi(k) in fp32 is built once per chunk into the g tile's storage (after the intra scores have read phq,
-// phk there) and read where the default rebuilds each value from the sigma tables (phi_at): the same values.
+// phk there) and read where the per-use path rebuilds each value from the sigma tables (phi_at): the same values.
 template <typename T, int D, bool PHI_TILE = false>
 __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_head, bool intra,
                           Tiles<T, D>& s, DkvTiles<T, D>& kt) {
@@ -686,8 +686,12 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dkv_bwd_kernel(const P
       key_side_chunk<T, D>(p, hd, b, kappa, m >= 0, s, kt);
       chunk_dkv<T, D, PHI_TILE>(p, hd, kappa, gh, m >= 0, s, kt);
       if (m < 0 || kappa == first) continue;
+      if constexpr (PHI_TILE) {  // tile m's fp32 phi(q) into the g storage (read last by table_w, before a barrier)
+        features<T>(p, s.okq, s.sp, s.sm, nullptr, nullptr, kt.g);
+        __syncthreads();
+      }
       float delta[D / 8 + 1][4] = {};  // st += tile m: the state of the tiles after m - 1
-      query_state_delta<T, D>(p, s, kt, delta);
+      query_state_delta<T, D, PHI_TILE>(p, s, kt, delta);
       const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
