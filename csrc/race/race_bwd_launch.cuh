@@ -19,10 +19,8 @@ void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int
       if (tensor_cores) {  // group prefix states, then dq, den, c walking each group's chunks (or tiles)
         tc_key_states<T, D>(op, p, kstate, kz, f32, batch, device, stream);
         const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
-        auto dq_kernel = tc::race_group_dq_bwd_kernel<T, D, false>;
-        if constexpr (D <= 64) {  // at D = 128 the fp16 PHI_TILE build spilled (16 bytes)
-          if (phi_tile_enabled()) dq_kernel = tc::race_group_dq_bwd_kernel<T, D, true>;
-        }
+        const auto dq_kernel = phi_tile_enabled() ? tc::race_group_dq_bwd_kernel<T, D, true>
+                                                  : tc::race_group_dq_bwd_kernel<T, D, false>;
         launch_bytes(op, dq_kernel, dim3(blocks, hq, b), tc::kThreads, tc::BwdTiles<T, D>::bytes, p, device, stream);
         dq_done = true;
       }

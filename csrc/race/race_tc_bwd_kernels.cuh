@@ -249,7 +249,8 @@ __device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
   const int nf = (p.features + 7) / 8;  // feature k-steps that are not all zero
   float sc[kC / 8][4] = {};
-#pragma unroll
+  constexpr int kUnroll = PHI_TILE && D == 128 ? 1 : kS / 8;  // D = 128 with the fp32 phi tile: fewer live registers
+#pragma unroll kUnroll
   for (int kk = 0; kk < kS / 8; ++kk) {
     if (kk >= nf) continue;
     uint32_t qhi[4], qlo[4];
