@@ -299,7 +299,8 @@ def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: in
     the step's micro-batches and the processes), every ``train.eval_every`` an evaluation (0 = never). When
     ``loader.sampler`` is an :class:`EpochSampler` its epoch is set before each pass over the data.
 
-    save: called with the position (stage, step, epoch, batch_in_epoch, scheduler state, losses) every
+    save: called with the position (stage, step, epoch, batch_in_epoch, scheduler state, losses, the best
+    evaluation's step and metrics) and the BestKeeper (or None, to write its copy with the checkpoint) every
     ``train.save_every`` steps and at the last step (``run`` writes the checkpoint); resume: (checkpoint
     folder, its trainer_state) of this stage: the accelerate state is loaded after ``prepare`` and the loop
     continues from the saved data position. Starts with ``accelerator.free_memory()``, so the accelerate
@@ -516,8 +517,8 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
                     return evaluate_fn(wrapped)
 
             model, losses, _ = run_stage("transfer", accelerator, student, params, transfer_loss, train_loader,
-                                      recipe.transfer.steps, recipe.transfer.lr, recipe, log, evaluate_student,
-                                      save=saver, resume=resume_for("transfer"))
+                                         recipe.transfer.steps, recipe.transfer.lr, recipe, log, evaluate_student,
+                                         save=saver, resume=resume_for("transfer"))
         summary["transfer"] = {"first_loss": losses[0], "last_loss": losses[-1], "eval": evaluate_fn(model)}
         log.metrics("transfer", recipe.transfer.steps, eval=summary["transfer"]["eval"])
         save(accelerator, model, tokenizer, out_dir / "transfer")
@@ -578,9 +579,9 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
                                      {k: v.to(accelerator.device) for k, v in first_rows.items()})
         if unused:
             log.event(stage="fine_tune", frozen_unused=unused)
-        model, losses, best = run_stage("fine_tune", accelerator, model, params, finetune_loss, train_loader, ft.steps,
-                                  ft.lr, recipe, log, evaluate_fn, save=saver, resume=resume_for("fine_tune"),
-                                  keep_best=t.keep_best)
+        model, losses, best = run_stage("fine_tune", accelerator, model, params, finetune_loss, train_loader,
+                                        ft.steps, ft.lr, recipe, log, evaluate_fn, save=saver,
+                                        resume=resume_for("fine_tune"), keep_best=t.keep_best)
         model = accelerator.unwrap_model(model)
         if t.gradient_checkpointing:
             model.gradient_checkpointing_disable()

@@ -191,7 +191,7 @@ def test_attention_transfer_and_lm_loss_decrease():
             return sum(forcing.losses().values()) / len(forcing.terms)
 
         _, losses, _ = run_stage("transfer", accelerator, student, params, transfer_loss, batches, 12, 0.1, recipe,
-                              None, None)
+                                 None, None)
     assert len(losses) == 12
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.9 * losses[0], losses
 
@@ -202,7 +202,7 @@ def test_attention_transfer_and_lm_loss_decrease():
     student.requires_grad_(True)
     params = list(student.parameters())
     _, losses, _ = run_stage("fine_tune", accelerator, student, params, lm_loss, batches, 8, 3e-3, recipe,
-                          None, None)
+                             None, None)
     assert losses[-1] < 0.9 * losses[0], losses
 
 
@@ -293,8 +293,8 @@ def test_embedding_loss_trains_a_converted_encoder_towards_its_teacher():
         return embedding_loss(accelerator, wrapped(**kwargs), ref, batch["attention_mask"])
 
     student.requires_grad_(True)
-    _, losses, _ = run_stage("fine_tune", accelerator, student, list(student.parameters()), loss_fn, loader(tok, n=4),
-                          8, 3e-3, recipe, None, None)
+    _, losses, _ = run_stage("fine_tune", accelerator, student, list(student.parameters()), loss_fn,
+                             loader(tok, n=4), 8, 3e-3, recipe, None, None)
     assert losses[0] > 0.5 and all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.1, losses
 
 
