@@ -74,6 +74,15 @@ template <> __device__ __forceinline__ void split<__nv_bfloat16>(float x, __nv_b
   lo = __float2bfloat16_rn(x - __bfloat162float(hi));
 }
 
+// 16 bytes from global src to shared dst without passing through registers (cp.async, sm_80+); valid = false:
+// 16 zero bytes, src not read. Completes at cp_async_wait_all after cp_async_commit.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
 // The 32-bit word at p (two 16-bit elements; p must be 4-byte aligned), e.g. a fragment register.
 template <typename T> __device__ __forceinline__ uint32_t ld32(const T* p) { return *reinterpret_cast<const uint32_t*>(p); }
 

@@ -155,7 +155,7 @@ bool tc_applies(const at::Tensor& q, const Params& p, const c10::Device& device,
 
 // The tensor-core forward (race_tc_kernels.cuh).
 inline bool tc_forward_applies(const at::Tensor& q, const Params& p, const c10::Device& device) {
-  return tc_applies(q, p, device, [](auto dim) { return tc::Tiles<__half, decltype(dim)::value>::bytes; });
+  return tc_applies(q, p, device, [](auto dim) { return tc::Tiles<__half, decltype(dim)::value>::causal_out_bytes; });
 }
 
 // The tensor-core dq kernel (race_tc_bwd_kernels.cuh): 90.6 / 108.1 / 155.1 KB of shared memory at
@@ -228,8 +228,8 @@ void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, c
   const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
   const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
   if (p.causal)
-    launch_bytes(op, tc::race_group_out_fwd_kernel<T, D, true>, dim3(blocks, h, b), tc::kThreads, tc::Tiles<T, D>::bytes,
-                 p, device, stream);
+    launch_bytes(op, tc::race_group_out_fwd_kernel<T, D, true>, dim3(blocks, h, b), tc::kThreads,
+                 tc::Tiles<T, D>::causal_out_bytes, p, device, stream);
   else  // no key tiles: packed, fewer bytes per block
     launch_bytes(op, tc::race_group_out_fwd_kernel<T, D, false>, dim3(blocks, h, b), tc::kThreads,
                  tc::Tiles<T, D>::query_out_bytes, p, device, stream);

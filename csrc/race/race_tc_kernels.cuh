@@ -49,29 +49,42 @@ struct Tiles {
   // Kernels that use part of the tiles pack them below the ones they skip (fewer bytes: more blocks per SM):
   // kKeyStates (race_group_state_fwd_kernel): no phq, phk, st; pkt, vt and the flags move down to phq_off.
   // kQueryOut (the non-causal race_group_out_fwd_kernel): no phk, pkt, vt; the flags and st move down to phk_off.
-  enum class Use { kAll, kKeyStates, kQueryOut };
+  // kCausalOut (the causal race_group_out_fwd_kernel): every tile, a second x tile (xk, at `bytes`) for the key
+  // rows, so that the next chunk's query and key rows both load (cp.async) while this chunk computes, and where
+  // sm_80 has room (D <= 64) a tile xv for the next chunk's v rows (row-major; key_chunk transposes it into vt).
+  // kKeyStates has xv too. Every layout but kAll (the backward kernels) prefetches its next rows: `prefetch`.
+  enum class Use { kAll, kKeyStates, kQueryOut, kCausalOut };
+  static constexpr bool causal_stages_v = D <= 64;
+  static constexpr int causal_out_bytes = bytes + (causal_stages_v ? 2 : 1) * x_bytes;
   static constexpr int ks_vt_off = phq_off + 2 * kS * kT * 2;
   static constexpr int ks_ok_off = ks_vt_off + kX * kT * 2;
-  static constexpr int key_states_bytes = ks_ok_off + 2 * kC * 4;
+  static constexpr int ks_xv_off = ks_ok_off + 2 * kC * 4;
+  static constexpr int key_states_bytes = ks_xv_off + x_bytes;
   static constexpr int qo_st_off = phk_off + 2 * kC * 4;
   static constexpr int query_out_bytes = qo_st_off + kS * kX * 4;
-  static_assert(ks_vt_off % 16 == 0 && ks_ok_off % 16 == 0 && qo_st_off % 16 == 0, "16-byte aligned tiles");
+  static_assert(ks_vt_off % 16 == 0 && ks_ok_off % 16 == 0 && ks_xv_off % 16 == 0 && qo_st_off % 16 == 0 &&
+                bytes % 16 == 0 && x_bytes % 16 == 0, "16-byte aligned tiles");
   static_assert(key_states_bytes <= st_off && query_out_bytes <= bytes, "packed layouts are smaller");
 
-  T *x, *w, *pkt = nullptr, *vt = nullptr;
+  T *x, *xk, *w, *pkt = nullptr, *vt = nullptr;  // xk: x of key rows (x itself but in kCausalOut)
+  T* xv = nullptr;                                // v rows, row-major, when staged (else load_vt reads global)
   float *sp, *sm, *st = nullptr;
   __half *phq = nullptr, *phk = nullptr;
   int *okq, *okk;
+  bool prefetch;
 
   __device__ explicit Tiles(char* base, Use use = Use::kAll)
       : x(reinterpret_cast<T*>(base)),
+        xk(use == Use::kCausalOut ? reinterpret_cast<T*>(base + bytes) : x),
         w(reinterpret_cast<T*>(base + w_off)),
         sp(reinterpret_cast<float*>(base + sp_off)),
-        sm(sp + kC * kLPMax) {
+        sm(sp + kC * kLPMax),
+        prefetch(use != Use::kAll) {
     if (use == Use::kKeyStates) {
       pkt = reinterpret_cast<T*>(base + phq_off);
       vt = reinterpret_cast<T*>(base + ks_vt_off);
       okq = reinterpret_cast<int*>(base + ks_ok_off);
+      xv = reinterpret_cast<T*>(base + ks_xv_off);
     } else if (use == Use::kQueryOut) {
       phq = reinterpret_cast<__half*>(base + phq_off);
       okq = reinterpret_cast<int*>(base + phk_off);
@@ -83,6 +96,7 @@ struct Tiles {
       phk = reinterpret_cast<__half*>(base + phk_off);
       okq = reinterpret_cast<int*>(base + ok_off);
       st = reinterpret_cast<float*>(base + st_off);
+      if (use == Use::kCausalOut && causal_stages_v) xv = reinterpret_cast<T*>(base + bytes + x_bytes);
     }
     okk = okq + kC;
   }
@@ -116,6 +130,19 @@ __device__ __forceinline__ void load_rows(const T* x, long long stride, int row0
     if (ok[r]) val = *reinterpret_cast<const uint4*>(x + (long long)(row0 + r) * stride + 8 * c);
     *reinterpret_cast<uint4*>(tile + r * (D + 8) + 8 * c) = val;
   }
+}
+
+// load_rows by cp.async (no registers, no wait; one thread's copies complete at its cp_async_wait_all): rows with
+// ok(r) false are 0.
+template <typename T, int D, typename Ok>
+__device__ __forceinline__ void load_rows_async(const T* x, long long stride, int row0, Ok ok, T* tile) {
+  constexpr int kVec = D / 8;
+  for (int e = threadIdx.x; e < kC * kVec; e += kThreads) {
+    const int r = e / kVec, c = e % kVec;
+    const bool valid = ok(r);
+    mma::cp_async16(tile + r * (D + 8) + 8 * c, valid ? x + (long long)(row0 + r) * stride + 8 * c : x, valid);
+  }
+  mma::cp_async_commit();
 }
 
 // v rows [row0, row0 + 64) transposed into vt[d][j] (rows with ok = 0 are 0).
@@ -294,34 +321,60 @@ struct Heads {
   }
 };
 
-// Loads key chunk kappa (x of its keys, v^T, flags) and builds phi(k): fp16 row-major into phk when
-// `scores`, T halves transposed into pkt. Ends with a barrier.
+// Starts loading (cp.async) the rows that key_chunk reads from s.xk (and s.xv, when staged) when s.prefetch: those
+// of key chunk kappa.
 template <typename T, int D>
-__device__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa, Tiles<T, D>& s, bool scores) {
+__device__ __forceinline__ void prefetch_keys(const Params& p, const Heads<T>& hd, int b, int kappa, Tiles<T, D>& s) {
+  const int key0 = p.s0 + kappa * kC;
+  const auto ok = [&p, b, key0](int r) { return key_ok(p, b, key0 + r); };
+  load_rows_async<T, D>(hd.k, p.sk.n, key0, ok, s.xk);
+  if (s.xv != nullptr) load_rows_async<T, D>(hd.v, p.sv.n, key0, ok, s.xv);
+}
+
+// Starts loading (cp.async) the x rows that query_tile reads from s.x when s.prefetch: those of query tile m.
+template <typename T, int D>
+__device__ __forceinline__ void prefetch_queries(const Params& p, const Heads<T>& hd, int m, Tiles<T, D>& s) {
+  load_rows_async<T, D>(hd.q, p.sq.n, m * kC, [row0 = m * kC, nq = p.nq](int r) { return row0 + r < nq; }, s.x);
+}
+
+// Loads key chunk kappa (x of its keys, v^T, flags) and builds phi(k): fp16 row-major into phk when
+// `scores`, T halves transposed into pkt. Ends with a barrier. s.prefetch: the x rows are already on their way
+// (prefetch_keys), and once projected, the rows of key chunk next_kappa and query tile next_m (each when >= 0)
+// start loading.
+template <typename T, int D>
+__device__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa, Tiles<T, D>& s, bool scores,
+                          int next_kappa = -1, int next_m = -1) {
   const int key0 = p.s0 + kappa * kC;
   __syncthreads();  // the previous chunk's readers are done
   if (threadIdx.x < kC) s.okk[threadIdx.x] = key_ok(p, b, key0 + threadIdx.x);
   __syncthreads();
-  load_rows<T, D>(hd.k, p.sk.n, key0, s.okk, s.x);
-  load_vt<T, D>(hd.v, p.sv.n, key0, s.okk, s.vt);
+  if (s.prefetch)
+    mma::cp_async_wait_all();  // this thread's copies; the barrier below publishes every thread's
+  else
+    load_rows<T, D>(hd.k, p.sk.n, key0, s.okk, s.x);
+  if (s.xv == nullptr) load_vt<T, D>(hd.v, p.sv.n, key0, s.okk, s.vt);
   __syncthreads();
-  project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm);
+  if (s.xv != nullptr) load_vt<T, D>(s.xv, D + 8, 0, s.okk, s.vt);  // the staged rows, transposed
+  project<T, D>(p, s.xk, s.w, hd.beta, s.sp, s.sm);
   __syncthreads();
+  if (next_kappa >= 0) prefetch_keys<T, D>(p, hd, b, next_kappa, s);
+  if (next_m >= 0) prefetch_queries<T, D>(p, hd, next_m, s);
   features<T>(p, s.okk, s.sp, s.sm, scores ? s.phk : nullptr, s.pkt);
   __syncthreads();
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) race_group_state_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 1) race_group_state_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
   Tiles<T, D> s(smem_raw, Tiles<T, D>::Use::kKeyStates);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
+  prefetch_keys<T, D>(p, hd, b, grp * kGroup, s);
   init_constants<T, D>(p, s);
   float acc[D / 8 + 1][4] = {};
   const int end = min(p.nkc, (grp + 1) * kGroup);
   for (int kappa = grp * kGroup; kappa < end; ++kappa) {
-    key_chunk<T, D>(p, hd, b, kappa, s, false);
+    key_chunk<T, D>(p, hd, b, kappa, s, false, kappa + 1 < end ? kappa + 1 : -1);
     state_delta<T, D / 8 + 1>(s.pkt, s.vt, 0, D / 8 + 1, acc);
   }
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
@@ -454,17 +507,23 @@ __device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, 
 
 // Query tile m: flags, x, phi(q) (fp16) into phq, or fp32 into phi32 instead when that is not null. Backward
 // (dout not null): also the tile's rows of dout into dtile ([64][D + 8]) and u into `u`. Ends with a barrier.
+// s.prefetch: the x rows are already on their way (prefetch_queries), and once projected, those of query tile
+// next_m (when >= 0) start loading.
 template <typename T, int D>
 __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, D>& s, const T* dout = nullptr,
-                           T* dtile = nullptr, float* u = nullptr, float* phi32 = nullptr) {
+                           T* dtile = nullptr, float* u = nullptr, float* phi32 = nullptr, int next_m = -1) {
   __syncthreads();
   if (threadIdx.x < kC) s.okq[threadIdx.x] = m * kC + threadIdx.x < p.nq;
   __syncthreads();
-  load_rows<T, D>(hd.q, p.sq.n, m * kC, s.okq, s.x);
+  if (s.prefetch)
+    mma::cp_async_wait_all();  // this thread's copies; the barrier below publishes every thread's
+  else
+    load_rows<T, D>(hd.q, p.sq.n, m * kC, s.okq, s.x);
   if (dout != nullptr) load_rows<T, D>(dout, p.sdo.n, m * kC, s.okq, dtile);
   __syncthreads();
   project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm, u);
   __syncthreads();
+  if (next_m >= 0) prefetch_queries<T, D>(p, hd, next_m, s);
   features<T>(p, s.okq, s.sp, s.sm, phi32 == nullptr ? s.phq : nullptr, nullptr, phi32);
   __syncthreads();
 }
@@ -515,26 +574,33 @@ __device__ __forceinline__ void advance_state(Tiles<T, D>& s) {
 template <typename T, int D, bool CAUSAL>
 __global__ void __launch_bounds__(kThreads, 1) race_group_out_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
-  Tiles<T, D> s(smem_raw, CAUSAL ? Tiles<T, D>::Use::kAll : Tiles<T, D>::Use::kQueryOut);
+  Tiles<T, D> s(smem_raw, CAUSAL ? Tiles<T, D>::Use::kCausalOut : Tiles<T, D>::Use::kQueryOut);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
   T* out = static_cast<T*>(p.out) + hd.bh * p.nq * D;
   const int first = grp * kGroup;
   const int end = min(CAUSAL ? p.nkc : p.nqt, first + kGroup);
   if (CAUSAL && end - 1 < p.kappa0) return;  // only keys before the first query: no tile to write
+  if (CAUSAL) {
+    prefetch_keys<T, D>(p, hd, b, first, s);
+    if (first >= p.kappa0) prefetch_queries<T, D>(p, hd, first - p.kappa0, s);
+  } else {
+    prefetch_queries<T, D>(p, hd, first, s);
+  }
   init_constants<T, D>(p, s);
   // before this group (causal: fp32, it grows) or the total (non-causal: read only, so rounded once)
   load_state<T, D>(p, hd.bh, CAUSAL ? grp : p.ngk, s, !CAUSAL);
   if constexpr (!CAUSAL) {
     for (int m = first; m < end; ++m) {
-      query_tile<T, D>(p, hd, m, s);
+      query_tile<T, D>(p, hd, m, s, nullptr, nullptr, nullptr, nullptr, m + 1 < end ? m + 1 : -1);
       tile_out<T, D, true>(p, s, false, m * kC, out);
     }
   } else {
     for (int kappa = first; kappa < end; ++kappa) {
       const int m = kappa - p.kappa0;  // the query tile whose diagonal is in this chunk
       if (m >= 0) query_tile<T, D>(p, hd, m, s);
-      key_chunk<T, D>(p, hd, b, kappa, s, m >= 0);
+      const bool more = kappa + 1 < end;  // then the next chunk's rows load during this chunk's products
+      key_chunk<T, D>(p, hd, b, kappa, s, m >= 0, more ? kappa + 1 : -1, more ? m + 1 : -1);
       if (m >= 0) tile_out<T, D>(p, s, true, m * kC, out);
       if (kappa + 1 == end) break;
       __syncthreads();  // every warp has read the state
