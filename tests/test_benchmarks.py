@@ -317,7 +317,8 @@ def test_sass_report_counts_instructions_by_innermost_function(tmp_path, capsys)
     src.write_text(KERNEL_SOURCE)
     assert sass_report.function_starts(KERNEL_SOURCE) == [(2, "helper"), (7, "my_kernel")]
     positions = sass_report.kernel_positions(kernel_sass(src), "my_kernel")
-    assert [(line, op) for _, line, op in positions] == [(8, "LDC"), (8, "S2R"), (3, "FADD"), (3, "FMUL"), (9, "STG")]
+    assert [(line, op, offset) for _, line, op, offset in positions] == [
+        (8, "LDC", 0x00), (8, "S2R", 0x10), (3, "FADD", 0x20), (3, "FMUL", 0x30), (9, "STG", 0x40)]
     assert sass_report.count(positions) == {"kernels.cuh:my_kernel": 3, "kernels.cuh:helper": 2}
     assert sass_report.count(positions, by_line=True) == {"kernels.cuh:8": 2, "kernels.cuh:3": 2, "kernels.cuh:9": 1}
     sass = tmp_path / "k.sass"
@@ -328,6 +329,43 @@ def test_sass_report_counts_instructions_by_innermost_function(tmp_path, capsys)
     assert out[1].split() == ["3", "kernels.cuh:my_kernel"] and out[2].split() == ["2", "kernels.cuh:helper"]
     with pytest.raises(ValueError, match="no .text section"):
         sass_report.kernel_positions(kernel_sass(src), "missing_kernel")
+
+
+def source_page_csv(rows_by_kernel):
+    """An ``ncu --page source --csv --print-source sass`` export: per kernel its name row, a header, then one row
+    per instruction (address, source, stall samples, executed)."""
+    lines = []
+    for name, rows in rows_by_kernel:
+        lines.append(f'"Kernel Name","{name}",')
+        lines.append('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"')
+        lines += [f'"{hex(0x7f0000 + 16 * i)}","{src}","{stalls}","{executed}"' for i, (src, stalls, executed)
+                  in enumerate(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def test_sass_report_weights_rows_by_a_profile(tmp_path, capsys):
+    src = tmp_path / "kernels.cuh"
+    src.write_text(KERNEL_SOURCE)
+    sass = tmp_path / "k.sass"
+    sass.write_text(kernel_sass(src))
+    page = tmp_path / "sass.csv"
+    page.write_text(source_page_csv([
+        ("void other()", [("EXIT", 99, 99)]),
+        ("void my_kernel<64>(const float *)", [("LDC R1, c[0x0][0x28]", 1, 10), ("S2R R0, SR_TID.X", 0, 10),
+                                                ("FADD R2, R0, R0", 6, 40), ("@!P0 FMUL.FTZ R2, R2, 2", 2, 40),
+                                                ("STG.E desc[UR4][R4.64], R2", 1, 0)])]))
+    profile = sass_report.read_source_page(str(page), "my_kernel")
+    assert profile == {0x00: (10, 1), 0x10: (10, 0), 0x20: (40, 6), 0x30: (40, 2), 0x40: (0, 1)}
+    positions = sass_report.kernel_positions(sass.read_text(), "my_kernel")
+    keys = sass_report.row_keys(positions)
+    assert sass_report.measured(positions, keys, profile) == {
+        "kernels.cuh:my_kernel": (0.2, 0.2), "kernels.cuh:helper": (0.8, 0.8)}
+    sass_report.main([str(sass), "my_kernel", "--lines", "--ncu", str(page)])
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split() for line in out[2:5]] == [
+        ["2", "80.0", "80.0", "kernels.cuh:3"], ["2", "20.0", "10.0", "kernels.cuh:8"], ["1", "0.0", "10.0", "kernels.cuh:9"]]
+    with pytest.raises(ValueError, match="not in the profile"):
+        sass_report.read_source_page(str(page), "missing_kernel")
 
 
 def test_gpu_check_script_is_valid_bash():
