@@ -1,4 +1,4 @@
-"""RACE attention, bf16, B=1, H=8, D=64, P=4 planes, L=4 tables, T=64K..2M, causal and not; D=128 causal.
+"""RACE attention, bf16, B=1, H=8, D=64, P=4 planes, L=4 tables, T=64K..2M, causal and not; D=128 and D=32 causal.
 
 The planes are the fixed seeded buffer of ``hfab.make_planes``; beta is a learnable 0-dim fp32
 tensor (D**-0.5) that gets a gradient in fwd+bwd, as in training.
@@ -29,7 +29,9 @@ register_case(Case(backend="race", name="race_b4h16", dtype=torch.bfloat16, batc
                    sizes=(64 * _K,), quick_sizes=(64 * _K,), options={"causal": False}, make_tensors=race_tensors,
                    trainable=("beta",)))
 
-# head dim 128 (most 7B-class models): the tensor-core kernels' largest tiles and their own register budgets
-register_case(Case(backend="race", name="race_causal_d128", dtype=torch.bfloat16, batch=1, heads=8, head_dim=128,
-                   sizes=(64 * _K, 256 * _K), quick_sizes=(64 * _K,), options={"causal": True},
-                   make_tensors=race_tensors, trainable=("beta",)))
+# head dims 128 (most 7B-class models) and 32 (small models): the tensor-core kernels' largest and smallest tiles,
+# each with its own register and shared-memory budget (blocks per SM)
+for _d in (128, 32):
+    register_case(Case(backend="race", name=f"race_causal_d{_d}", dtype=torch.bfloat16, batch=1, heads=8, head_dim=_d,
+                       sizes=(64 * _K, 256 * _K), quick_sizes=(64 * _K,), options={"causal": True},
+                       make_tensors=race_tensors, trainable=("beta",)))

@@ -14,6 +14,7 @@
 #   BUILD             auto (default: when csrc/ has .cu files) | 1 | 0
 #   BUILD_BUDGET_S    cap on the build (default 300); MAX_JOBS parallel nvcc jobs (default: all cores)
 #   RUN_TESTS         1 (default) | 0;  TEST_BUDGET_S cap (default 180);  PYTEST_ARGS extra pytest args
+#   PYTEST_PATHS      what pytest collects (default tests; e.g. tests/ops/test_race_cuda.py)
 #   PYTEST_MARK       marker expression (default "cuda"; e.g. "cuda and not slow" skips the sanitizer runs)
 #   BENCH             backends, comma list | all (default) | none
 #   BENCH_CASES       case names, comma list (default: every case of $BENCH; see python3 -m benchmarks.run --list)
@@ -37,6 +38,7 @@ BUILD_BUDGET_S=${BUILD_BUDGET_S:-300}
 RUN_TESTS=${RUN_TESTS:-1}
 TEST_BUDGET_S=${TEST_BUDGET_S:-180}
 PYTEST_ARGS=${PYTEST_ARGS:-}
+PYTEST_PATHS=${PYTEST_PATHS:-tests}
 PYTEST_MARK=${PYTEST_MARK:-cuda}
 BENCH=${BENCH:-all}
 BENCH_CASES=${BENCH_CASES:-}
@@ -144,8 +146,9 @@ if [[ $RUN_TESTS == 1 ]]; then
     if (( t < 20 )); then
         test_status="skipped (only ${t}s left)"
     else
-        # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-        timeout -k 10 "$t" "$PY" -m pytest -q -m "$PYTEST_MARK" -p no:cacheprovider tests $PYTEST_ARGS >"$OUT/pytest.log" 2>&1
+        # shellcheck disable=SC2086  # PYTEST_PATHS and PYTEST_ARGS are lists of words
+        timeout -k 10 "$t" "$PY" -m pytest -q -m "$PYTEST_MARK" -p no:cacheprovider $PYTEST_PATHS $PYTEST_ARGS \
+            >"$OUT/pytest.log" 2>&1
         rc=$?
         tail -n 30 "$OUT/pytest.log"
         summary=$(grep -E "passed|failed|error|skipped|no tests ran" "$OUT/pytest.log" | tail -n 1)

@@ -71,12 +71,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> race_bwd_cuda(
   p.dbeta_q = part_q.data_ptr<float>();
   p.dbeta_k = part_k.data_ptr<float>();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  const int64_t hkv = k.size(1), d = q.size(3);
-  if (q.scalar_type() == at::kHalf)
-    backward_kernels<__half>(kOp, p, batch, hkv, d, tensor_cores, tc_keys, q.device(), stream);
-  else if (q.scalar_type() == at::kBFloat16)
-    backward_kernels<__nv_bfloat16>(kOp, p, batch, hkv, d, tensor_cores, tc_keys, q.device(), stream);
-  else backward_kernels<float>(kOp, p, batch, hkv, d, false, false, q.device(), stream);
+  const int64_t hkv = k.size(1);
+  dispatch_head_dim(q.size(3), [&](auto dim) {  // prepare() allowed only 32, 64, 128
+    constexpr int D = decltype(dim)::value;
+    if (q.scalar_type() == at::kHalf)
+      backward_kernels<__half, D>(kOp, p, batch, hkv, tensor_cores, tc_keys, q.device(), stream);
+    else if (q.scalar_type() == at::kBFloat16)
+      backward_kernels<__nv_bfloat16, D>(kOp, p, batch, hkv, tensor_cores, tc_keys, q.device(), stream);
+    else
+      backward_kernels<float, D>(kOp, p, batch, hkv, false, false, q.device(), stream);
+  });
   race_dbeta_bwd_kernel<<<p.hq, kThreads, 0, stream>>>(p.dbeta_q, p.dbeta_k, static_cast<int>(batch), p.hq, p.nqt,
                                                         p.nkc, dbeta_h.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

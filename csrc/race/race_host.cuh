@@ -252,15 +252,16 @@ void key_states(const char* op, Params& p, at::Tensor& kstate, at::Tensor& kz, c
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The backward's launches for element type T (race_bwd_launch.cuh), compiled in one .cu file per T
-// (race_bwd_{f16,bf16,f32}.cu) so that the heavy kernels build in parallel. `p` holds every buffer
+// The backward's launches for element type T and head dim D (race_bwd_launch.cuh), compiled in one .cu file per
+// (T, D) for fp16 and bf16 (race_bwd_{f16,bf16}_d{32,64,128}.cu; race_bwd_f32.cu for float) so that the heavy
+// tensor-core kernels build in parallel: the build takes as long as its slowest file. `p` holds every buffer
 // but the key states, which this allocates. tensor_cores (fp16/bf16 only; tc_backward_applies): dq on
 // race_group_dq_bwd_kernel, with q, k, v, dout vector readable and p pointing at them; tc_keys (tc_key_side_applies,
 // implies tensor_cores): dk, dv on race_group_qstate_bwd_kernel + scan + race_group_dkv_bwd_kernel, with p.qstate,
 // p.qz sized for tc_query_groups(p) + 1 slots and, when p.groups > 1, p.dk_scratch, p.dv_scratch.
-template <typename T>
-void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, int64_t head_dim, bool tensor_cores,
-                      bool tc_keys, const c10::Device& device, cudaStream_t stream);
+template <typename T, int D>
+void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, bool tensor_cores, bool tc_keys,
+                      const c10::Device& device, cudaStream_t stream);
 
 }  // namespace race
 }  // namespace hfab

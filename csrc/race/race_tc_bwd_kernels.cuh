@@ -221,18 +221,82 @@ __device__ __forceinline__ void split_product(const float (&x)[kC / 8][4], const
     for (int e = 0; e < 4; ++e) acc[n][e] *= unscale[e / 2];
 }
 
+// The warp's rows of a tile (rows warp + 4 rr, rr < kWarpRows).
+constexpr int kWarpRows = kC / (kThreads / 32);
+
+// The per-(row, table, plane) factors of chain_row (race_kernels.cuh), once per row instead of once per lane of
+// the row's warp: da[r][lt] = 2 beta w (1 - u^2) ([64][kLPMax] floats) and the row's dbeta term 2 sum_lt u w (lt in
+// order) into rowpart[r] (0 where ok[r] is 0). u, w: [64][L*P]. Ends with a barrier.
+__device__ __forceinline__ void chain_factors(const Params& p, float beta, const float* u, const float* w, const int* ok,
+                                              float* da, float* rowpart) {
+  for (int e = threadIdx.x; e < kC * kLPMax; e += kThreads) {
+    const int r = e / kLPMax, lt = e % kLPMax;
+    if (lt >= p.lp) continue;
+    const float ut = u[r * p.lp + lt], wt = w[r * p.lp + lt];
+    da[e] = 2.f * beta * wt * (1.f - ut * ut);
+  }
+  for (int r = threadIdx.x; r < kC; r += kThreads) {
+    float db = 0.f;
+    for (int lt = 0; lt < p.lp; ++lt) db = fmaf(2.f * u[r * p.lp + lt], w[r * p.lp + lt], db);
+    rowpart[r] = ok[r] ? db : 0.f;
+  }
+  __syncthreads();
+}
+
+// chain_row's dx for the warp's rows (warp + 4 rr) from chain_factors' da, each plane row loaded once per (table,
+// plane) for all of them. Per row the same products in the same order as chain_row, so the same bits.
+template <int D>
+__device__ __forceinline__ void chain_rows(const Params& p, const float* da, float (&dx)[kWarpRows][D / 32]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int lt = 0; lt < p.lp; ++lt) {
+    float plane[D / 32];
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) plane[c] = __ldg(p.planes + lt * D + lane + 32 * c);
+    const float* col = da + warp * kLPMax + lt;  // the warp's rows are kThreads / 32 apart
+#pragma unroll
+    for (int rr = 0; rr < kWarpRows; ++rr)
+#pragma unroll
+      for (int c = 0; c < D / 32; ++c) dx[rr][c] = fmaf(col[rr * (kThreads / 32) * kLPMax], plane[c], dx[rr][c]);
+  }
+}
+
+// table_w for P planes per table: one pass over each (row, table)'s 2^P values of g sums them for all P planes at
+// once (per plane in bucket order, so the same bits as one pass per plane).
+template <int P>
+__device__ __forceinline__ void table_w_p(const Params& p, const float* g, const float* sp, const float* sm, float* w) {
+  constexpr int R = 1 << P;
+  for (int e = threadIdx.x; e < kC * (p.lp / P); e += kThreads) {
+    const int r = e % kC, l = e / kC;  // a warp reads 32 rows: g's odd row stride spreads them over the banks
+    const float* row = g + r * (kS + 1) + l * R;
+    float set[P] = {}, clear[P] = {};
+#pragma unroll
+    for (int bucket = 0; bucket < R; ++bucket) {
+      const float gv = row[bucket];
+#pragma unroll
+      for (int t = 0; t < P; ++t) {
+        if ((bucket >> (P - 1 - t)) & 1)
+          set[t] += gv;
+        else
+          clear[t] += gv;
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < P; ++t) {
+      const int lt = l * P + t;
+      w[r * p.lp + lt] = sm[r * kLPMax + lt] * set[t] - sp[r * kLPMax + lt] * clear[t];
+    }
+  }
+}
+
 // w[r][lt] = sigma- sum_{bit set} g - sigma+ sum_{bit clear} g per (row, table, plane); g: fp32 [64][kS + 1].
 __device__ __forceinline__ void table_w(const Params& p, const float* g, const float* sp, const float* sm, float* w) {
-  const int P = p.planes_per_table, R = 1 << P;
-  for (int e = threadIdx.x; e < kC * p.lp; e += kThreads) {
-    const int r = e / p.lp, lt = e % p.lp, l = lt / P, tt = lt % P;
-    float set = 0.f, clear = 0.f;
-    for (int bucket = 0; bucket < R; ++bucket) {
-      const float gv = g[r * (kS + 1) + l * R + bucket];
-      if ((bucket >> (P - 1 - tt)) & 1) set += gv;
-      else clear += gv;
-    }
-    w[r * p.lp + lt] = sm[r * kLPMax + lt] * set - sp[r * kLPMax + lt] * clear;
+  switch (p.planes_per_table) {  // 1 <= P <= 6 here (S = L 2^P <= 64)
+    case 1: table_w_p<1>(p, g, sp, sm, w); break;
+    case 2: table_w_p<2>(p, g, sp, sm, w); break;
+    case 3: table_w_p<3>(p, g, sp, sm, w); break;
+    case 4: table_w_p<4>(p, g, sp, sm, w); break;
+    case 5: table_w_p<5>(p, g, sp, sm, w); break;
+    default: table_w_p<6>(p, g, sp, sm, w); break;
   }
 }
 
@@ -343,16 +407,17 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
   __syncthreads();
   table_w(p, bt.g, s.sp, s.sm, bt.w);
   __syncthreads();
+  chain_factors(p, hd.beta, bt.u, bt.w, s.okq, bt.g, bt.rowpart);  // da into the g tile's storage (read above)
   T* dq = static_cast<T*>(p.out) + hd.bh * p.nq * D;
-  for (int r = warp; r < kC; r += kThreads / 32) {
-    const int i = m * kC + r;
-    float dx[D / 32] = {};
-    const float db = chain_row<D>(p, r, hd.beta, bt.u, bt.w, dx);
+  float dx[kWarpRows][D / 32] = {};
+  chain_rows<D>(p, bt.g, dx);
+#pragma unroll
+  for (int rr = 0; rr < kWarpRows; ++rr) {
+    const int i = m * kC + warp + rr * (kThreads / 32);
     if (i < p.nq) {
 #pragma unroll
-      for (int c = 0; c < D / 32; ++c) dq[(long long)i * D + lane + 32 * c] = from_float<T>(dx[c]);
+      for (int c = 0; c < D / 32; ++c) dq[(long long)i * D + lane + 32 * c] = from_float<T>(dx[rr][c]);
     }
-    if (lane == 0) bt.rowpart[r] = i < p.nq ? db : 0.f;
   }
   __syncthreads();
   if (threadIdx.x == 0) p.dbeta_q[hd.bh * p.nqt + m] = ordered_sum64(bt.rowpart);
@@ -611,16 +676,18 @@ __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_
   __syncthreads();
   table_w(p, kt.g, kt.spk, kt.smk, kt.w);
   __syncthreads();
+  chain_factors(p, hd.beta, kt.u, kt.w, s.okk, kt.g, kt.rowpart);  // da into the g tile's storage (read above)
   T* dk = static_cast<T*>(p.dk);
-  for (int r = warp; r < kC; r += kThreads / 32) {
-    const int j = key0 + r;
-    float dx[D / 32] = {};
-    const float db = chain_row<D>(p, r, hd.beta, kt.u, kt.w, dx);
+  float dx[kWarpRows][D / 32] = {};
+  chain_rows<D>(p, kt.g, dx);
+#pragma unroll
+  for (int rr = 0; rr < kWarpRows; ++rr) {
+    const int j = key0 + warp + rr * (kThreads / 32);
     if (j >= 0 && j < p.nk) {
 #pragma unroll
-      for (int c = 0; c < D / 32; ++c) add_head<T>(p, g_head, p.dk_scratch, dk, row0 + (long long)j * D + lane + 32 * c, dx[c]);
+      for (int c = 0; c < D / 32; ++c)
+        add_head<T>(p, g_head, p.dk_scratch, dk, row0 + (long long)j * D + lane + 32 * c, dx[rr][c]);
     }
-    if (lane == 0) kt.rowpart[r] = s.okk[r] ? db : 0.f;
   }
   __syncthreads();
   if (threadIdx.x == 0) p.dbeta_k[hd.bh * p.nkc + kappa] = ordered_sum64(kt.rowpart);

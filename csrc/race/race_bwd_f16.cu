@@ -1,5 +1,0 @@
-// race::backward_kernels for __half inputs (one file per element type: the backward kernels build in parallel).
-#include "race/race_bwd_launch.cuh"
-
-template void hfab::race::backward_kernels<__half>(const char*, hfab::race::Params&, int64_t, int64_t, int64_t, bool, bool,
-                                               const c10::Device&, cudaStream_t);
