@@ -24,7 +24,8 @@ ncu --profile-from-start off --clock-control none -k "regex:$REGEX" "${SECTIONS[
 grep -E "^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall" \
     "$OUT_DIR/$NAME.txt" | head -80
 if [[ ${SOURCE:-0} == 1 ]]; then
-    ncu --profile-from-start off --clock-control none -k "regex:$REGEX" --section SourceCounters -f -o "$OUT_DIR/$NAME" \
+    ncu --profile-from-start off --clock-control none -k "regex:$REGEX" --section SourceCounters --section WarpStateStats \
+        --section InstructionStats --import-source yes -f -o "$OUT_DIR/$NAME" \
         python3 -m benchmarks.profile "$CASE" "$N" --mode "$MODE" --ncu > /dev/null 2>&1
     ncu -i "$OUT_DIR/$NAME.ncu-rep" --page source --csv --print-source sass | gzip > "$OUT_DIR/${NAME}_sass.csv.gz"
     rm -f "$OUT_DIR/$NAME.ncu-rep"
