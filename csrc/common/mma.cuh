@@ -74,6 +74,21 @@ template <> __device__ __forceinline__ void split<__nv_bfloat16>(float x, __nv_b
   lo = __float2bfloat16_rn(x - __bfloat162float(hi));
 }
 
+// Four 8x8 16-bit matrices from shared memory: lane l gives the address of row (l % 8) of matrix l / 8; register i
+// holds matrix i's elements (row lane / 4, columns 2 (lane % 4) + {0, 1}). `_trans`: each matrix transposed.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
 // 16 bytes from global src to shared dst without passing through registers (cp.async, sm_80+); valid = false:
 // 16 zero bytes, src not read. Completes at cp_async_wait_all after cp_async_commit.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 
+#include "common/mma.cuh"
 #include "common/strides.cuh"
 #include "common/tile.cuh"
 
@@ -58,41 +59,11 @@ template <int ROWS, int D> struct HTile {
   uint16_t h[ROWS][D + 8];
 };
 
-template <typename T> struct Mma;
-template <> struct Mma<__half> {
-  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-template <> struct Mma<__nv_bfloat16> {
-  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-__device__ __forceinline__ uint32_t lds32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-// Four 8x8 16-bit matrices: lane l gives the address of row (l % 8) of matrix l / 8; register i holds
-// matrix i's elements (row lane / 4, columns 2 (lane % 4) + {0, 1}).
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* p) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// The same, transposed.
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+// acc += a (b0, b1): one m16n8k16 product on T operands (common/mma.cuh).
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const uint32_t b[2] = {b0, b1};
+  mma::m16n8k16(acc, a, b, T());
 }
 
 __device__ __forceinline__ float rcp_approx(float x) {  // rcp(+inf) = +0
@@ -136,15 +107,10 @@ __device__ __forceinline__ void load_rows_async(HTile<ROWS, D>& t, const T* base
     const int r = c / kChunks, k = c % kChunks;
     const bool valid = row0 + r < n;
     const T* src = valid ? base + (long long)(row0 + r) * stride + 8 * k : base;
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&t.h[r][8 * k]));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
+    mma::cp_async16(&t.h[r][8 * k], src, valid);
   }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  mma::cp_async_commit();
 }
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // A fragments (16 x D, row-major rows [r0, r0 + 16) of t), one per 16-column chunk.
 template <int ROWS, int D>
@@ -152,10 +118,10 @@ __device__ __forceinline__ void a_frags(uint32_t (&a)[D / 16][4], const HTile<RO
   const int g = lane / 4, c = 2 * (lane % 4);
 #pragma unroll
   for (int kc = 0; kc < D / 16; ++kc) {
-    a[kc][0] = lds32(&t.h[r0 + g][16 * kc + c]);
-    a[kc][1] = lds32(&t.h[r0 + g + 8][16 * kc + c]);
-    a[kc][2] = lds32(&t.h[r0 + g][16 * kc + c + 8]);
-    a[kc][3] = lds32(&t.h[r0 + g + 8][16 * kc + c + 8]);
+    a[kc][0] = mma::ld32(&t.h[r0 + g][16 * kc + c]);
+    a[kc][1] = mma::ld32(&t.h[r0 + g + 8][16 * kc + c]);
+    a[kc][2] = mma::ld32(&t.h[r0 + g][16 * kc + c + 8]);
+    a[kc][3] = mma::ld32(&t.h[r0 + g + 8][16 * kc + c + 8]);
   }
 }
 
@@ -174,9 +140,9 @@ __device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const uint32_t (&a)
 #pragma unroll
     for (int jj = 0; jj < NT / 2; ++jj) {
       uint32_t b[4];
-      ldsm_x4(b, &t.h[t_row0 + 16 * jj + brow][16 * kc + bcol]);
-      Mma<T>::run(acc[2 * jj], a[kc], b[0], b[1]);
-      Mma<T>::run(acc[2 * jj + 1], a[kc], b[2], b[3]);
+      mma::ldsm_x4(b, &t.h[t_row0 + 16 * jj + brow][16 * kc + bcol]);
+      mma16816<T>(acc[2 * jj], a[kc], b[0], b[1]);
+      mma16816<T>(acc[2 * jj + 1], a[kc], b[2], b[3]);
     }
 }
 
@@ -193,13 +159,13 @@ __device__ __forceinline__ void mma_abt_smem(float (&acc)[NT][4], const HTile<RA
 #pragma unroll
   for (int kc = 0; kc < D / 16; ++kc) {
     uint32_t a[4];
-    ldsm_x4(a, &ta.h[arow][16 * kc + acol]);
+    mma::ldsm_x4(a, &ta.h[arow][16 * kc + acol]);
 #pragma unroll
     for (int jj = 0; jj < NT / 2; ++jj) {
       uint32_t bf[4];
-      ldsm_x4(bf, &t.h[16 * jj + brow][16 * kc + bcol]);
-      Mma<T>::run(acc[2 * jj], a, bf[0], bf[1]);
-      Mma<T>::run(acc[2 * jj + 1], a, bf[2], bf[3]);
+      mma::ldsm_x4(bf, &t.h[16 * jj + brow][16 * kc + bcol]);
+      mma16816<T>(acc[2 * jj], a, bf[0], bf[1]);
+      mma16816<T>(acc[2 * jj + 1], a, bf[2], bf[3]);
     }
   }
 }
@@ -225,11 +191,11 @@ __device__ __forceinline__ void mma_xb(float (&acc)[D / 8][4], const float (&x)[
 #pragma unroll
     for (int dn = 0; dn < D / 16; ++dn) {
       uint32_t b[4];
-      ldsm_x4_trans(b, &t.h[t_row0 + 16 * kc + lrow][16 * dn + lcol]);
-      Mma<T>::run(acc[2 * dn], hi, b[0], b[1]);
-      Mma<T>::run(acc[2 * dn + 1], hi, b[2], b[3]);
-      Mma<T>::run(acc[2 * dn], lo, b[0], b[1]);
-      Mma<T>::run(acc[2 * dn + 1], lo, b[2], b[3]);
+      mma::ldsm_x4_trans(b, &t.h[t_row0 + 16 * kc + lrow][16 * dn + lcol]);
+      mma16816<T>(acc[2 * dn], hi, b[0], b[1]);
+      mma16816<T>(acc[2 * dn + 1], hi, b[2], b[3]);
+      mma16816<T>(acc[2 * dn], lo, b[0], b[1]);
+      mma16816<T>(acc[2 * dn + 1], lo, b[2], b[3]);
     }
   }
 }
@@ -334,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
     issue(with_v, 0);
     for (int tile = 0; tile < tiles; ++tile) {
       const int buf = tile & 1;
-      cp_async_wait_all();
+      mma::cp_async_wait_all();
       __syncthreads();  // tile `tile` has landed for every thread; tile - 1's readers are done
       if (tile + 1 < tiles) issue(with_v, tile + 1);  // overwrites the buffer tile - 1 used
 #pragma unroll
@@ -503,7 +469,7 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
     issue(0);
     for (int tile = 0; tile < tiles; ++tile) {
       const int buf = tile & 1;
-      cp_async_wait_all();
+      mma::cp_async_wait_all();
       __syncthreads();  // tile `tile` has landed for every thread; tile - 1's readers are done
       if (tile + 1 < tiles) issue(tile + 1);
       float s[NT][4], dp[NT][4];
@@ -626,7 +592,7 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
   if (tiles > 0) issue(0);
   for (int tile = 0; tile < tiles; ++tile) {
     const int buf = tile & 1, q0 = first + (tile % per_head) * BQ;
-    cp_async_wait_all();
+    mma::cp_async_wait_all();
     __syncthreads();  // tile `tile` (and k, v) visible to every thread; tile - 1's readers are done
     if (tile + 1 < tiles) issue(tile + 1);  // overwrites the buffers tile - 1 used
     const float* m = sm.m[buf];
