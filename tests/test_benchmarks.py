@@ -362,8 +362,9 @@ def test_sass_report_weights_rows_by_a_profile(tmp_path, capsys):
         "kernels.cuh:my_kernel": (0.2, 0.2), "kernels.cuh:helper": (0.8, 0.8)}
     sass_report.main([str(sass), "my_kernel", "--lines", "--ncu", str(page)])
     out = capsys.readouterr().out.splitlines()
-    assert [line.split() for line in out[2:5]] == [
-        ["2", "80.0", "80.0", "kernels.cuh:3"], ["2", "20.0", "10.0", "kernels.cuh:8"], ["1", "0.0", "10.0", "kernels.cuh:9"]]
+    assert [line.split() for line in out[2:5]] == [["2", "80.0", "80.0", "kernels.cuh:3"],
+                                                   ["2", "20.0", "10.0", "kernels.cuh:8"],
+                                                   ["1", "0.0", "10.0", "kernels.cuh:9"]]
     with pytest.raises(ValueError, match="not in the profile"):
         sass_report.read_source_page(str(page), "missing_kernel")
 

@@ -1,4 +1,4 @@
-// Tensor-core building blocks (sm_80+): mma.sync wrappers and 16-bit pair packing. Pure CUDA.
+// Tensor-core building blocks (sm_80+): mma.sync wrappers, ldmatrix, cp.async and 16-bit pair packing. Pure CUDA.
 //
 // Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16 / m16n8k8"), with g = lane / 4 and
 // t = lane % 4; a 32-bit register holding a 16-bit pair keeps the lower column (or k) index in its

@@ -2,5 +2,5 @@
 // tensor-core kernels build in parallel).
 #include "race/race_bwd_launch.cuh"
 
-template void hfab::race::backward_kernels<__nv_bfloat16, 128>(const char*, hfab::race::Params&, int64_t, int64_t, bool, bool,
-                                                   const c10::Device&, cudaStream_t);
+template void hfab::race::backward_kernels<__nv_bfloat16, 128>(const char*, hfab::race::Params&, int64_t,
+    int64_t, bool, bool, const c10::Device&, cudaStream_t);

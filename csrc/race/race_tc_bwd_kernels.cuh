@@ -227,8 +227,8 @@ constexpr int kWarpRows = kC / (kThreads / 32);
 // The per-(row, table, plane) factors of chain_row (race_kernels.cuh), once per row instead of once per lane of
 // the row's warp: da[r][lt] = 2 beta w (1 - u^2) ([64][kLPMax] floats) and the row's dbeta term 2 sum_lt u w (lt in
 // order) into rowpart[r] (0 where ok[r] is 0). u, w: [64][L*P]. Ends with a barrier.
-__device__ __forceinline__ void chain_factors(const Params& p, float beta, const float* u, const float* w, const int* ok,
-                                              float* da, float* rowpart) {
+__device__ __forceinline__ void chain_factors(const Params& p, float beta, const float* u, const float* w,
+                                              const int* ok, float* da, float* rowpart) {
   for (int e = threadIdx.x; e < kC * kLPMax; e += kThreads) {
     const int r = e / kLPMax, lt = e % kLPMax;
     if (lt >= p.lp) continue;
