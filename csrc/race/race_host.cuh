@@ -153,9 +153,9 @@ bool tc_applies(const at::Tensor& q, const Params& p, const c10::Device& device,
   return dispatch_head_dim(q.size(3), bytes_of) <= shared_memory_limit(device);
 }
 
-// The tensor-core forward (race_tc_kernels.cuh).
+// The tensor-core forward (race_tc_kernels.cuh): its layouts without the causal out kernel's prefetch tiles fit.
 inline bool tc_forward_applies(const at::Tensor& q, const Params& p, const c10::Device& device) {
-  return tc_applies(q, p, device, [](auto dim) { return tc::Tiles<__half, decltype(dim)::value>::causal_out_bytes; });
+  return tc_applies(q, p, device, [](auto dim) { return tc::Tiles<__half, decltype(dim)::value>::bytes; });
 }
 
 // The tensor-core dq kernel (race_tc_bwd_kernels.cuh): 90.6 / 108.1 / 155.1 KB of shared memory at
@@ -181,6 +181,14 @@ inline bool tensor_core_backward_enabled() {
 inline bool phi_tile_enabled() {
   static const bool enabled = !env_is("HFAB_RACE_PHI_TILE", "0");
   return enabled;
+}
+
+// The causal out kernel loads the next chunk's rows while this chunk computes (race_group_out_fwd_kernel<..., true,
+// true>) where the GPU has causal_out_bytes of shared memory per block; otherwise, or with HFAB_RACE_PREFETCH=0 (for
+// comparison and testing), it loads each chunk's rows when it needs them: the same outputs bit for bit.
+inline bool causal_prefetch(const c10::Device& device, int bytes) {
+  static const bool enabled = !env_is("HFAB_RACE_PREFETCH", "0");
+  return enabled && bytes <= shared_memory_limit(device);
 }
 
 inline bool tc_backward_applies(const at::Tensor& q, const Params& p, const c10::Device& device) {
@@ -227,9 +235,12 @@ void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, c
   tc_key_states<T, D>(op, p, gstate, gz, f32, batch, device, stream);
   const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
   const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
-  if (p.causal)
+  if (p.causal && causal_prefetch(device, tc::Tiles<T, D>::causal_out_bytes))
     launch_bytes(op, tc::race_group_out_fwd_kernel<T, D, true>, dim3(blocks, h, b), tc::kThreads,
                  tc::Tiles<T, D>::causal_out_bytes, p, device, stream);
+  else if (p.causal)  // e.g. 99 KB per block (sm_86, sm_89) at D = 64: the tiles without the prefetch ones
+    launch_bytes(op, tc::race_group_out_fwd_kernel<T, D, true, false>, dim3(blocks, h, b), tc::kThreads,
+                 tc::Tiles<T, D>::bytes, p, device, stream);
   else  // no key tiles: packed, fewer bytes per block
     launch_bytes(op, tc::race_group_out_fwd_kernel<T, D, false>, dim3(blocks, h, b), tc::kThreads,
                  tc::Tiles<T, D>::query_out_bytes, p, device, stream);

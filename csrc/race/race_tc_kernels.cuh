@@ -52,7 +52,8 @@ struct Tiles {
   // kCausalOut (the causal race_group_out_fwd_kernel): every tile, a second x tile (xk, at `bytes`) for the key
   // rows, so that the next chunk's query and key rows both load (cp.async) while this chunk computes, and where
   // sm_80 has room (D <= 64) a tile xv for the next chunk's v rows (row-major; key_chunk transposes it into vt).
-  // kKeyStates has xv too. Every layout but kAll (the backward kernels) prefetches its next rows: `prefetch`.
+  // kKeyStates has xv too. Every layout but kAll (the backward kernels, and the causal out kernel on GPUs with
+  // less shared memory per block than causal_out_bytes) prefetches its next rows: `prefetch`.
   enum class Use { kAll, kKeyStates, kQueryOut, kCausalOut };
   static constexpr bool causal_stages_v = D <= 64;
   static constexpr int causal_out_bytes = bytes + (causal_stages_v ? 2 : 1) * x_bytes;
@@ -357,8 +358,8 @@ __device__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa,
   if (s.xv != nullptr) load_vt<T, D>(s.xv, D + 8, 0, s.okk, s.vt);  // the staged rows, transposed
   project<T, D>(p, s.xk, s.w, hd.beta, s.sp, s.sm);
   __syncthreads();
-  if (next_kappa >= 0) prefetch_keys<T, D>(p, hd, b, next_kappa, s);
-  if (next_m >= 0) prefetch_queries<T, D>(p, hd, next_m, s);
+  if (s.prefetch && next_kappa >= 0) prefetch_keys<T, D>(p, hd, b, next_kappa, s);
+  if (s.prefetch && next_m >= 0) prefetch_queries<T, D>(p, hd, next_m, s);
   features<T>(p, s.okk, s.sp, s.sm, scores ? s.phk : nullptr, s.pkt);
   __syncthreads();
 }
@@ -523,7 +524,7 @@ __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, 
   __syncthreads();
   project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm, u);
   __syncthreads();
-  if (next_m >= 0) prefetch_queries<T, D>(p, hd, next_m, s);
+  if (s.prefetch && next_m >= 0) prefetch_queries<T, D>(p, hd, next_m, s);
   features<T>(p, s.okq, s.sp, s.sm, phi32 == nullptr ? s.phq : nullptr, nullptr, phi32);
   __syncthreads();
 }
@@ -570,21 +571,23 @@ __device__ __forceinline__ void advance_state(Tiles<T, D>& s) {
   }
 }
 
-// CAUSAL = p.causal, a template parameter so that each branch's tile layout is a compile-time constant.
-template <typename T, int D, bool CAUSAL>
+// CAUSAL = p.causal, a template parameter so that each branch's tile layout is a compile-time constant. PREFETCH
+// (causal): the kCausalOut layout, else kAll (no prefetch: for GPUs with less shared memory per block).
+template <typename T, int D, bool CAUSAL, bool PREFETCH = true>
 __global__ void __launch_bounds__(kThreads, 1) race_group_out_fwd_kernel(const Params p) {
+  using Use = typename Tiles<T, D>::Use;
   extern __shared__ __align__(16) char smem_raw[];
-  Tiles<T, D> s(smem_raw, CAUSAL ? Tiles<T, D>::Use::kCausalOut : Tiles<T, D>::Use::kQueryOut);
+  Tiles<T, D> s(smem_raw, !CAUSAL ? Use::kQueryOut : PREFETCH ? Use::kCausalOut : Use::kAll);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
   T* out = static_cast<T*>(p.out) + hd.bh * p.nq * D;
   const int first = grp * kGroup;
   const int end = min(CAUSAL ? p.nkc : p.nqt, first + kGroup);
   if (CAUSAL && end - 1 < p.kappa0) return;  // only keys before the first query: no tile to write
-  if (CAUSAL) {
+  if (CAUSAL && PREFETCH) {
     prefetch_keys<T, D>(p, hd, b, first, s);
     if (first >= p.kappa0) prefetch_queries<T, D>(p, hd, first - p.kappa0, s);
-  } else {
+  } else if (!CAUSAL) {
     prefetch_queries<T, D>(p, hd, first, s);
   }
   init_constants<T, D>(p, s);

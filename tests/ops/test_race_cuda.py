@@ -243,6 +243,35 @@ def test_cuda_core_dq_selected_by_the_environment_meets_the_same_bounds():
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-1000:]
 
 
+def prefetch_cases():
+    """Outputs of the tensor-core forward, causal and not, over D = 32/64/128, fp16 and bf16, GQA, padding, Nq < Nk
+    and Nq > Nk."""
+    bf16, f16 = torch.bfloat16, torch.float16
+    results = []
+    for d, dtype, nq, nk in [(32, bf16, 1100, 1100), (64, f16, 1100, 2113), (64, bf16, 2113, 1100),
+                             (128, bf16, 1100, 1100)]:
+        q, k, v = make_inputs(2, 4, 2, nq, nk, d, dtype=dtype, seed=d)
+        mask = make_padding(2, nk, left=True, seed=d).to(DEV)
+        planes = make_planes(4, 4, d, seed=d)
+        for causal in (False, True):
+            results.append(torch.ops.hfab.race_fwd(q, k, v, planes, per_head_beta(4, d), mask, causal).cpu())
+    return results
+
+
+def test_prefetch_is_bitwise_the_load_when_needed(tmp_path):
+    """By default the causal out kernel loads the next chunk's rows (cp.async) while the current one computes;
+    HFAB_RACE_PREFETCH=0 (read once per process, hence a subprocess) selects the variant that loads each chunk's rows
+    when it needs them, which GPUs with less shared memory per block run: the same outputs, bit for bit."""
+    path = tmp_path / "no_prefetch.pt"
+    script = (f"import torch; from tests.ops.test_race_cuda import prefetch_cases; "
+              f"torch.save(prefetch_cases(), {str(path)!r})")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "HFAB_RACE_PREFETCH": "0"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for case, (loaded, prefetched) in enumerate(zip(torch.load(path), prefetch_cases())):
+        assert torch.equal(loaded, prefetched), f"case {case}: HFAB_RACE_PREFETCH=0 and the default differ"
+
+
 def phi_tile_cases():
     """(dq, dk, dv, dbeta) of the tensor-core backward over P = 1..6, D = 32/64/128, fp16 and bf16, GQA, padding, causal
     and not."""
