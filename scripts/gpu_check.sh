@@ -11,7 +11,9 @@
 #                     6 files: env.log build.log pytest.log bench.log <gpu>.csv <gpu>.png
 #   PYTHON            interpreter (default python3)
 #   TOTAL_BUDGET_S    seconds for the whole script (default 540)
-#   BUILD             auto (default: when csrc/ has .cu files) | 1 | 0
+#   BUILD             auto (default: when csrc/ has .cu files and they, setup.py or HFAB_CUDA_ARCHS changed since the
+#                     last build in this tree: a warm GPU machine that receives the tree again keeps build/ and the
+#                     extension, but every copied source looks newer than its object, so a plain build redoes all) | 1 | 0
 #   BUILD_BUDGET_S    cap on the build (default 300); MAX_JOBS parallel nvcc jobs (default: all cores)
 #   RUN_TESTS         1 (default) | 0;  TEST_BUDGET_S cap (default 180);  PYTEST_ARGS extra pytest args
 #   PYTEST_PATHS      what pytest collects (default tests; e.g. tests/ops/test_race_cuda.py)
@@ -91,8 +93,20 @@ EOF
 } 2>&1 | tee "$OUT/env.log"
 
 section "build"
+# what the extension is built from: sources, setup.py, the target list
+SOURCES_HASH=$( { find csrc -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h' \) | LC_ALL=C sort \
+    | xargs cat; cat setup.py; echo "${HFAB_CUDA_ARCHS:-}"; } 2>/dev/null | sha256sum | cut -c1-16)
+BUILT_HASH_FILE=$ROOT/build/.hfab_sources
+skip_reason="BUILD=$BUILD"
 if [[ $BUILD == auto ]]; then
-    if [[ -n $(find csrc -name '*.cu' 2>/dev/null | head -n 1) ]]; then BUILD=1; else BUILD=0; fi
+    if [[ -z $(find csrc -name '*.cu' 2>/dev/null | head -n 1) ]]; then
+        BUILD=0 skip_reason="no .cu files"
+    elif [[ -f $BUILT_HASH_FILE && $(cat "$BUILT_HASH_FILE") == "$SOURCES_HASH" ]] \
+        && compgen -G "hf_attention_backends/_C*.so" >/dev/null; then
+        BUILD=0 skip_reason="built here from these sources before: hash $SOURCES_HASH"
+    else
+        BUILD=1
+    fi
 fi
 if [[ $BUILD == 1 ]]; then
     cxx=${CXX:-c++}
@@ -111,14 +125,14 @@ if [[ $BUILD == 1 ]]; then
             "$PY" setup.py build_ext --inplace -j "$MAX_JOBS" >"$OUT/build.log" 2>&1
         rc=$?
         case $rc in
-            0) build_status="ok ($(( SECONDS - start ))s)" ;;
+            0) build_status="ok ($(( SECONDS - start ))s)"; mkdir -p "$ROOT/build"; echo "$SOURCES_HASH" >"$BUILT_HASH_FILE" ;;
             124|137) build_status="TIMED OUT after ${t}s (partial objects stay in build/; run again)" ;;
             *) build_status="FAILED rc=$rc (see build.log)"; grep -n -m 20 -E "error|Error" "$OUT/build.log" ;;
         esac
         "$PY" -m benchmarks.ptxas_report "$OUT/build.log" | head -n 60
     fi
 else
-    build_status="skipped (BUILD=$BUILD; no .cu files or disabled)"
+    build_status="skipped ($skip_reason)"
     echo "$build_status" | tee "$OUT/build.log"
 fi
 echo "build: $build_status"
