@@ -175,8 +175,9 @@ inline bool tensor_core_backward_enabled() {
 }
 
 // The tensor-core dq kernel and the key side's query-state kernel build each query tile's fp32 phi(q) once into shared
-// memory (<..., PHI_TILE = true>), the dk/dv kernel each key chunk's fp32 phi(k) and its query tile's phi(q), instead of rebuilding every value from the sigma tables at each use (phi_at: a run-time loop
-// over P per value); the same values, so the same gradients bit for bit. HFAB_RACE_PHI_TILE=0 selects the per-use
+// memory (<..., PHI_TILE = true>), the dk/dv kernel each key chunk's fp32 phi(k) and its query tile's phi(q), instead
+// of rebuilding every value from the sigma tables at each use (phi_at: a run-time loop over P per value); the same
+// values, so the same gradients bit for bit. HFAB_RACE_PHI_TILE=0 selects the per-use
 // rebuild, for comparison and testing.
 inline bool phi_tile_enabled() {
   static const bool enabled = !env_is("HFAB_RACE_PHI_TILE", "0");

@@ -290,14 +290,7 @@ __device__ __forceinline__ void table_w_p(const Params& p, const float* g, const
 
 // w[r][lt] = sigma- sum_{bit set} g - sigma+ sum_{bit clear} g per (row, table, plane); g: fp32 [64][kS + 1].
 __device__ __forceinline__ void table_w(const Params& p, const float* g, const float* sp, const float* sm, float* w) {
-  switch (p.planes_per_table) {  // 1 <= P <= 6 here (S = L 2^P <= 64)
-    case 1: table_w_p<1>(p, g, sp, sm, w); break;
-    case 2: table_w_p<2>(p, g, sp, sm, w); break;
-    case 3: table_w_p<3>(p, g, sp, sm, w); break;
-    case 4: table_w_p<4>(p, g, sp, sm, w); break;
-    case 5: table_w_p<5>(p, g, sp, sm, w); break;
-    default: table_w_p<6>(p, g, sp, sm, w); break;
-  }
+  dispatch_planes(p, [&](auto planes) { table_w_p<decltype(planes)::value>(p, g, sp, sm, w); });
 }
 
 // [num, den] of one query tile as tile_num computes them, with fp32-accurate products: phi(q) in fp32 from the

@@ -269,19 +269,27 @@ __device__ __forceinline__ void features_p(const Params& p, const int* ok, const
   }
 }
 
+// fn(Planes<P>{}) for P = p.planes_per_table: the feature-map code with P a compile-time constant (the host admits
+// 1 <= P <= 6 on this path: S = L 2^P <= 64).
+template <int P> struct Planes { static constexpr int value = P; };
+template <typename Fn>
+__device__ __forceinline__ void dispatch_planes(const Params& p, Fn&& fn) {
+  switch (p.planes_per_table) {
+    case 1: fn(Planes<1>{}); break;
+    case 2: fn(Planes<2>{}); break;
+    case 3: fn(Planes<3>{}); break;
+    case 4: fn(Planes<4>{}); break;
+    case 5: fn(Planes<5>{}); break;
+    default: fn(Planes<6>{}); break;
+  }
+}
+
 // Each non-null target: phi[r][s] (fp16, row-major), phi in T halves transposed (pkt[s][r] hi, then lo), phi32[r][s]
 // (fp32, row stride kS + 1). 0 for s >= S and rows with ok = 0.
 template <typename T>
 __device__ __forceinline__ void features(const Params& p, const int* ok, const float* sp, const float* sm,
                                          __half* phi, T* pkt, float* phi32 = nullptr) {
-  switch (p.planes_per_table) {  // the host admits 1 <= P <= 6 here (S = L 2^P <= 64)
-    case 1: features_p<T, 1>(p, ok, sp, sm, phi, pkt, phi32); break;
-    case 2: features_p<T, 2>(p, ok, sp, sm, phi, pkt, phi32); break;
-    case 3: features_p<T, 3>(p, ok, sp, sm, phi, pkt, phi32); break;
-    case 4: features_p<T, 4>(p, ok, sp, sm, phi, pkt, phi32); break;
-    case 5: features_p<T, 5>(p, ok, sp, sm, phi, pkt, phi32); break;
-    default: features_p<T, 6>(p, ok, sp, sm, phi, pkt, phi32); break;
-  }
+  dispatch_planes(p, [&](auto planes) { features_p<T, decltype(planes)::value>(p, ok, sp, sm, phi, pkt, phi32); });
 }
 
 // acc[n] += phi(k)^T [v, 1] for the warp's 16 features (rows 16w.. of pkt) and the 8 columns of n-tile
