@@ -136,13 +136,15 @@ def main(argv=None) -> None:
     ap.add_argument("--lines", action="store_true", help="count per source line instead of per function")
     ap.add_argument("--top", type=int, default=25, help="rows to print (default 25)")
     ap.add_argument("--ncu", help="Nsight Compute SASS source page of the same kernel (.csv or .csv.gz)")
+    ap.add_argument("--ncu-kernel", help="a substring of the kernel's demangled name in the --ncu page, where the "
+                                         "mangled substring does not match it (default: the kernel argument)")
     args = ap.parse_args(argv)
     positions = kernel_positions(Path(args.sass).read_text(), args.kernel)
     keys = row_keys(positions, by_line=args.lines)
     counts = collections.Counter(keys)
     print(f"{args.kernel}: {len(positions)} instructions with a source position")
     if args.ncu:
-        shares = measured(positions, keys, read_source_page(args.ncu, args.kernel))
+        shares = measured(positions, keys, read_source_page(args.ncu, args.ncu_kernel or args.kernel))
         print(f"{'static':>8s}  {'exec %':>6s}  {'stall %':>7s}  row")
         for key in sorted(shares, key=lambda k: (-shares[k][1], -shares[k][0], k))[:args.top]:
             print(f"{counts[key]:8d}  {shares[key][0] * 100:6.1f}  {shares[key][1] * 100:7.1f}  {key}")
