@@ -88,26 +88,40 @@ __device__ __forceinline__ void powers(float y, float order, float& p, float& r)
   r = p * inv;
 }
 
+// A thread's share of copying ROWS x D 16-bit elements in 16-byte chunks: chunk k of rows r, r + kPass, ... The
+// address is formed once per copy and advanced by kPass rows (a 64-bit add per chunk, no divisions).
+template <int ROWS, int D> struct RowChunks {
+  static constexpr int kChunks = D / 8, kPass = kThreads / kChunks, kIters = ROWS / kPass;
+  static_assert(kThreads % kChunks == 0 && ROWS % kPass == 0, "tile shapes");
+  static __device__ __forceinline__ int row() { return threadIdx.x / kChunks; }
+  static __device__ __forceinline__ int chunk() { return threadIdx.x % kChunks; }
+};
+
 // Rows [row0, row0 + ROWS) of a matrix with D contiguous elements per row, `stride` elements apart; rows >= n
 // are zero. Needs a 16-byte aligned base and stride % 8 == 0 (the host checks).
 template <int ROWS, int D, typename T>
 __device__ __forceinline__ void load_rows(HTile<ROWS, D>& t, const T* base, long long stride, int row0, int n) {
-  constexpr int kChunks = D / 8;
-  for (int c = threadIdx.x; c < ROWS * kChunks; c += kThreads) {
-    const int r = c / kChunks, k = c % kChunks;
-    *reinterpret_cast<uint4*>(&t.h[r][8 * k]) = load_chunk(base, stride, row0 + r, k, n);
+  using C = RowChunks<ROWS, D>;
+  const int r = C::row(), k = C::chunk();
+  const T* src = base + (row0 + r) * stride + 8 * k;
+#pragma unroll
+  for (int i = 0; i < C::kIters; ++i, src += C::kPass * stride) {
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (row0 + r + C::kPass * i < n) x = __ldg(reinterpret_cast<const uint4*>(src));
+    *reinterpret_cast<uint4*>(&t.h[r + C::kPass * i][8 * k]) = x;
   }
 }
 
 // The same with cp.async (16 bytes per chunk, rows >= n zero-filled): completes at cp_async_wait.
 template <int ROWS, int D, typename T>
 __device__ __forceinline__ void load_rows_async(HTile<ROWS, D>& t, const T* base, long long stride, int row0, int n) {
-  constexpr int kChunks = D / 8;
-  for (int c = threadIdx.x; c < ROWS * kChunks; c += kThreads) {
-    const int r = c / kChunks, k = c % kChunks;
-    const bool valid = row0 + r < n;
-    const T* src = valid ? base + (long long)(row0 + r) * stride + 8 * k : base;
-    mma::cp_async16(&t.h[r][8 * k], src, valid);
+  using C = RowChunks<ROWS, D>;
+  const int r = C::row(), k = C::chunk();
+  const T* src = base + (row0 + r) * stride + 8 * k;
+#pragma unroll
+  for (int i = 0; i < C::kIters; ++i, src += C::kPass * stride) {
+    const bool valid = row0 + r + C::kPass * i < n;
+    mma::cp_async16(&t.h[r + C::kPass * i][8 * k], valid ? src : base, valid);
   }
   mma::cp_async_commit();
 }
