@@ -98,6 +98,55 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
+// A thread's share of a block copying ROWS rows of D 16-bit elements in 16-byte chunks: chunk chunk() of rows
+// row() + kPass i, i < kIters. Addresses are formed once per copy and advanced by kPass rows (no division per chunk).
+template <int ROWS, int D, int THREADS> struct RowChunks {
+  static constexpr int kChunks = D / 8, kPass = THREADS / kChunks, kIters = ROWS / kPass;
+  static constexpr int kBatch = kIters < 4 ? kIters : 4;  // loads in flight per thread before their stores
+  static_assert(THREADS % kChunks == 0 && ROWS % kPass == 0 && kIters % kBatch == 0, "tile shapes");
+  static __device__ __forceinline__ int row() { return threadIdx.x / kChunks; }
+  static __device__ __forceinline__ int chunk() { return threadIdx.x % kChunks; }
+  static __device__ __forceinline__ uint4* dst(void* tile, int r) {  // shared tile rows D + 8 elements apart
+    return reinterpret_cast<uint4*>(static_cast<char*>(tile) + 2 * (r * (D + 8) + 8 * chunk()));
+  }
+};
+
+// Rows [row0, row0 + ROWS) of x (global memory, read-only while the kernel runs; D 16-bit elements per row, `stride`
+// elements apart, 16-byte aligned) into a shared tile with rows D + 8 elements apart, by a block of THREADS threads;
+// rows r with ok(r) false are 0. Each thread issues up to four loads before storing them (a store right after its
+// load would wait out every load's latency).
+template <int ROWS, int D, int THREADS, typename T, typename Ok>
+__device__ __forceinline__ void load_rows(void* tile, const T* x, long long stride, int row0, Ok ok) {
+  using C = RowChunks<ROWS, D, THREADS>;
+  const int r = C::row();
+  const T* src = x + (long long)(row0 + r) * stride + 8 * C::chunk();
+#pragma unroll
+  for (int i0 = 0; i0 < C::kIters; i0 += C::kBatch) {
+    uint4 val[C::kBatch];
+#pragma unroll
+    for (int i = 0; i < C::kBatch; ++i) {
+      val[i] = make_uint4(0u, 0u, 0u, 0u);
+      if (ok(r + C::kPass * (i0 + i))) val[i] = __ldg(reinterpret_cast<const uint4*>(src + C::kPass * (i0 + i) * stride));
+    }
+#pragma unroll
+    for (int i = 0; i < C::kBatch; ++i) *C::dst(tile, r + C::kPass * (i0 + i)) = val[i];
+  }
+}
+
+// The same by cp.async (no registers): completes at cp_async_wait_all.
+template <int ROWS, int D, int THREADS, typename T, typename Ok>
+__device__ __forceinline__ void load_rows_async(void* tile, const T* x, long long stride, int row0, Ok ok) {
+  using C = RowChunks<ROWS, D, THREADS>;
+  const int r = C::row();
+  const T* src = x + (long long)(row0 + r) * stride + 8 * C::chunk();
+#pragma unroll
+  for (int i = 0; i < C::kIters; ++i) {
+    const bool valid = ok(r + C::kPass * i);
+    cp_async16(C::dst(tile, r + C::kPass * i), valid ? src + C::kPass * i * stride : x, valid);
+  }
+  cp_async_commit();
+}
+
 // The 32-bit word at p (two 16-bit elements; p must be 4-byte aligned), e.g. a fragment register.
 template <typename T> __device__ __forceinline__ uint32_t ld32(const T* p) { return *reinterpret_cast<const uint32_t*>(p); }
 

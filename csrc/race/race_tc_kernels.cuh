@@ -124,39 +124,38 @@ __device__ void init_constants(const Params& p, Tiles<T, D>& s) {
 // Rows [row0, row0 + 64) of x (16-byte vectors; rows with ok = 0 are 0) into a [64][D + 8] tile.
 template <typename T, int D>
 __device__ __forceinline__ void load_rows(const T* x, long long stride, int row0, const int* ok, T* tile) {
-  constexpr int kVec = D / 8;
-  for (int e = threadIdx.x; e < kC * kVec; e += kThreads) {
-    const int r = e / kVec, c = e % kVec;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (ok[r]) val = *reinterpret_cast<const uint4*>(x + (long long)(row0 + r) * stride + 8 * c);
-    *reinterpret_cast<uint4*>(tile + r * (D + 8) + 8 * c) = val;
-  }
+  mma::load_rows<kC, D, kThreads>(tile, x, stride, row0, [ok](int r) { return ok[r] != 0; });
 }
 
 // load_rows by cp.async (no registers, no wait; one thread's copies complete at its cp_async_wait_all): rows with
 // ok(r) false are 0.
 template <typename T, int D, typename Ok>
 __device__ __forceinline__ void load_rows_async(const T* x, long long stride, int row0, Ok ok, T* tile) {
-  constexpr int kVec = D / 8;
-  for (int e = threadIdx.x; e < kC * kVec; e += kThreads) {
-    const int r = e / kVec, c = e % kVec;
-    const bool valid = ok(r);
-    mma::cp_async16(tile + r * (D + 8) + 8 * c, valid ? x + (long long)(row0 + r) * stride + 8 * c : x, valid);
-  }
-  mma::cp_async_commit();
+  mma::load_rows_async<kC, D, kThreads>(tile, x, stride, row0, ok);
 }
 
-// v rows [row0, row0 + 64) transposed into vt[d][j] (rows with ok = 0 are 0).
+// v rows [row0, row0 + 64) (global or shared memory) transposed into vt[d][j] (rows with ok = 0 are 0). Thread: row j,
+// chunks c0 + kPass i; up to four loads in flight before their stores.
 template <typename T, int D>
 __device__ __forceinline__ void load_vt(const T* v, long long stride, int row0, const int* ok, T* vt) {
-  constexpr int kVec = D / 8;
-  for (int e = threadIdx.x; e < kC * kVec; e += kThreads) {
-    const int j = e % kC, c = e / kC;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (ok[j]) val = *reinterpret_cast<const uint4*>(v + (long long)(row0 + j) * stride + 8 * c);
-    const T* parts = reinterpret_cast<const T*>(&val);
+  constexpr int kPass = kThreads / kC, kIters = D / 8 / kPass, kBatch = kIters < 4 ? kIters : 4;
+  static_assert(kThreads % kC == 0 && (D / 8) % kPass == 0 && kIters % kBatch == 0, "tile shapes");
+  const int j = threadIdx.x % kC, c0 = threadIdx.x / kC;
+  const bool row_ok = ok[j] != 0;
+  const T* src = v + (long long)(row0 + j) * stride + 8 * c0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) vt[(8 * c + i) * kT + j] = parts[i];
+  for (int i0 = 0; i0 < kIters; i0 += kBatch) {
+    uint4 val[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i)
+      val[i] = row_ok ? *reinterpret_cast<const uint4*>(src + 8 * kPass * (i0 + i)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const T* parts = reinterpret_cast<const T*>(&val[i]);
+      const int c = c0 + kPass * (i0 + i);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) vt[(8 * c + e) * kT + j] = parts[e];
+    }
   }
 }
 

@@ -88,42 +88,17 @@ __device__ __forceinline__ void powers(float y, float order, float& p, float& r)
   r = p * inv;
 }
 
-// A thread's share of copying ROWS x D 16-bit elements in 16-byte chunks: chunk k of rows r, r + kPass, ... The
-// address is formed once per copy and advanced by kPass rows (a 64-bit add per chunk, no divisions).
-template <int ROWS, int D> struct RowChunks {
-  static constexpr int kChunks = D / 8, kPass = kThreads / kChunks, kIters = ROWS / kPass;
-  static_assert(kThreads % kChunks == 0 && ROWS % kPass == 0, "tile shapes");
-  static __device__ __forceinline__ int row() { return threadIdx.x / kChunks; }
-  static __device__ __forceinline__ int chunk() { return threadIdx.x % kChunks; }
-};
-
 // Rows [row0, row0 + ROWS) of a matrix with D contiguous elements per row, `stride` elements apart; rows >= n
 // are zero. Needs a 16-byte aligned base and stride % 8 == 0 (the host checks).
 template <int ROWS, int D, typename T>
 __device__ __forceinline__ void load_rows(HTile<ROWS, D>& t, const T* base, long long stride, int row0, int n) {
-  using C = RowChunks<ROWS, D>;
-  const int r = C::row(), k = C::chunk();
-  const T* src = base + (row0 + r) * stride + 8 * k;
-#pragma unroll
-  for (int i = 0; i < C::kIters; ++i, src += C::kPass * stride) {
-    uint4 x = make_uint4(0u, 0u, 0u, 0u);
-    if (row0 + r + C::kPass * i < n) x = __ldg(reinterpret_cast<const uint4*>(src));
-    *reinterpret_cast<uint4*>(&t.h[r + C::kPass * i][8 * k]) = x;
-  }
+  mma::load_rows<ROWS, D, kThreads>(t.h, base, stride, row0, [=](int r) { return row0 + r < n; });
 }
 
 // The same with cp.async (16 bytes per chunk, rows >= n zero-filled): completes at cp_async_wait.
 template <int ROWS, int D, typename T>
 __device__ __forceinline__ void load_rows_async(HTile<ROWS, D>& t, const T* base, long long stride, int row0, int n) {
-  using C = RowChunks<ROWS, D>;
-  const int r = C::row(), k = C::chunk();
-  const T* src = base + (row0 + r) * stride + 8 * k;
-#pragma unroll
-  for (int i = 0; i < C::kIters; ++i, src += C::kPass * stride) {
-    const bool valid = row0 + r + C::kPass * i < n;
-    mma::cp_async16(&t.h[r + C::kPass * i][8 * k], valid ? src : base, valid);
-  }
-  mma::cp_async_commit();
+  mma::load_rows_async<ROWS, D, kThreads>(t.h, base, stride, row0, [=](int r) { return row0 + r < n; });
 }
 
 // A fragments (16 x D, row-major rows [r0, r0 + 16) of t), one per 16-column chunk.
