@@ -98,16 +98,20 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-// A thread's share of a block copying ROWS rows of D 16-bit elements in 16-byte chunks: chunk chunk() of rows
-// row() + kPass i, i < kIters. Addresses are formed once per copy and advanced by kPass rows (no division per chunk).
+// A thread's share of a block copying ROWS rows of D 16-bit elements in 16-byte chunks into a shared tile with rows
+// D + 8 elements apart: chunk chunk() of rows row() + kPass i, i < kIters. Addresses are formed once per copy and
+// advanced by kPass rows (no division per chunk; a 64-bit add per global address, constant shared offsets).
 template <int ROWS, int D, int THREADS> struct RowChunks {
   static constexpr int kChunks = D / 8, kPass = THREADS / kChunks, kIters = ROWS / kPass;
   static constexpr int kBatch = kIters < 4 ? kIters : 4;  // loads in flight per thread before their stores
   static_assert(THREADS % kChunks == 0 && ROWS % kPass == 0 && kIters % kBatch == 0, "tile shapes");
   static __device__ __forceinline__ int row() { return threadIdx.x / kChunks; }
-  static __device__ __forceinline__ int chunk() { return threadIdx.x % kChunks; }
-  static __device__ __forceinline__ uint4* dst(void* tile, int r) {  // shared tile rows D + 8 elements apart
-    return reinterpret_cast<uint4*>(static_cast<char*>(tile) + 2 * (r * (D + 8) + 8 * chunk()));
+  static __device__ __forceinline__ uint4* dst(void* tile, int i) {  // this thread's chunk of pass i
+    return reinterpret_cast<uint4*>(static_cast<char*>(tile) +
+                                    2 * ((row() + kPass * i) * (D + 8) + 8 * (threadIdx.x % kChunks)));
+  }
+  template <typename T> static __device__ __forceinline__ const T* src(const T* x, long long stride, int row0) {
+    return x + (row0 + row()) * stride + 8 * (threadIdx.x % kChunks);
   }
 };
 
@@ -119,17 +123,17 @@ template <int ROWS, int D, int THREADS, typename T, typename Ok>
 __device__ __forceinline__ void load_rows(void* tile, const T* x, long long stride, int row0, Ok ok) {
   using C = RowChunks<ROWS, D, THREADS>;
   const int r = C::row();
-  const T* src = x + (long long)(row0 + r) * stride + 8 * C::chunk();
+  const T* src = C::src(x, stride, row0);
 #pragma unroll
   for (int i0 = 0; i0 < C::kIters; i0 += C::kBatch) {
     uint4 val[C::kBatch];
 #pragma unroll
-    for (int i = 0; i < C::kBatch; ++i) {
+    for (int i = 0; i < C::kBatch; ++i, src += C::kPass * stride) {
       val[i] = make_uint4(0u, 0u, 0u, 0u);
-      if (ok(r + C::kPass * (i0 + i))) val[i] = __ldg(reinterpret_cast<const uint4*>(src + C::kPass * (i0 + i) * stride));
+      if (ok(r + C::kPass * (i0 + i))) val[i] = __ldg(reinterpret_cast<const uint4*>(src));
     }
 #pragma unroll
-    for (int i = 0; i < C::kBatch; ++i) *C::dst(tile, r + C::kPass * (i0 + i)) = val[i];
+    for (int i = 0; i < C::kBatch; ++i) *C::dst(tile, i0 + i) = val[i];
   }
 }
 
@@ -138,11 +142,11 @@ template <int ROWS, int D, int THREADS, typename T, typename Ok>
 __device__ __forceinline__ void load_rows_async(void* tile, const T* x, long long stride, int row0, Ok ok) {
   using C = RowChunks<ROWS, D, THREADS>;
   const int r = C::row();
-  const T* src = x + (long long)(row0 + r) * stride + 8 * C::chunk();
+  const T* src = C::src(x, stride, row0);
 #pragma unroll
-  for (int i = 0; i < C::kIters; ++i) {
+  for (int i = 0; i < C::kIters; ++i, src += C::kPass * stride) {
     const bool valid = ok(r + C::kPass * i);
-    cp_async16(C::dst(tile, r + C::kPass * i), valid ? src + C::kPass * i * stride : x, valid);
+    cp_async16(C::dst(tile, i), valid ? src : x, valid);
   }
   cp_async_commit();
 }
