@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_attention_backends  # noqa: F401  (imported at collection, not inside the first test's timing)
-from benchmarks import ptxas_report, registry, report, run, sass_report, timing
+from benchmarks import ptxas_report, registry, report, run, sass_report, stieltjes_solver, timing
 from benchmarks.registry import Case, Provider
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -367,6 +367,11 @@ def test_sass_report_weights_rows_by_a_profile(tmp_path, capsys):
                                                    ["1", "0.0", "10.0", "kernels.cuh:9"]]
     with pytest.raises(ValueError, match="not in the profile"):
         sass_report.read_source_page(str(page), "missing_kernel")
+    # --ncu-kernel: the profile's (demangled) name where the SASS section's substring does not match it
+    sass_report.main([str(sass), "my_kernel", "--lines", "--ncu", str(page), "--ncu-kernel", "my_kernel<64>(const"])
+    assert capsys.readouterr().out.splitlines()[2:5] == out[2:5]
+    with pytest.raises(ValueError, match="'my_kernel<32>': not in the profile"):
+        sass_report.main([str(sass), "my_kernel", "--ncu", str(page), "--ncu-kernel", "my_kernel<32>"])
 
 
 def test_gpu_check_script_is_valid_bash():
@@ -451,3 +456,23 @@ def test_environment_names_the_kernel_switches_that_are_set(monkeypatch):
     assert plain in ("loaded", "absent")
     monkeypatch.setenv("HFAB_RACE_PHI_TILE", "1")
     assert report.environment(torch.device("cpu"))["extension"] == f"{plain} HFAB_RACE_PHI_TILE=1"
+
+
+def test_stieltjes_solver_study_roots_and_safeguard():
+    x, v = stieltjes_solver.score_rows(3.0, 512, 8, 32, seed=1)
+    for order in (1.0, 4.0):
+        root = stieltjes_solver.root_by_bisection(x, order)
+        f = (root[:, None] - x).pow(-order).sum(dim=-1)
+        assert torch.allclose(f, torch.ones_like(f), rtol=1e-12)  # the oracle solves the pole equation
+        errors = [stieltjes_solver.output_error(x, v, order, stieltjes_solver.halley(x, order, k), root)
+                  for k in range(3)]
+        assert errors[2] < 1e-9 and errors[2] <= errors[1] <= errors[0]
+        lam = stieltjes_solver.halley(x, order, 1)  # inside [1, n^(1/order)]: the safeguard's interval
+        assert bool((lam >= 1).all()) and bool((lam <= 512 ** (1 / order)).all())
+
+
+def test_stieltjes_solver_study_prints_a_row_per_case(capsys):
+    stieltjes_solver.main(["--n", "64", "--rows", "2", "--dim", "16", "--max-steps", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["order", "scale", "newton0", "newton1", "halley0", "halley1"]
+    assert len(out) == 2 + 4 * 7 and all(len(line.split()) == 6 for line in out[2:])

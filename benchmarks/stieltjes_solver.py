@@ -1,0 +1,95 @@
+"""How many solver steps the Stieltjes pole needs: a CPU study in float64 (no GPU, no kernel).
+
+Every forward sweep of the CUDA kernel after the first evaluates the row sums at one lambda for all N keys (one
+MUFU reciprocal per score: at B=4 H=8 N=4096 that is ~0.13 ms per sweep on an H200 before anything else), so the
+number of solver steps sets most of the forward's time. For rows of scores s = q.k / sqrt(D) with q, k standard
+normal times `scale`, this prints the largest relative error of the output (against the output at the root found by
+bisection) after 0..max_steps steps of
+
+- newton: the reference's solver (``solve_lambda``: Newton on g = f^(-1/order) - 1 from the Jensen lower bound);
+- halley: Halley's step on the same g (one more sum per sweep, sum_j y^(-order-2)), kept inside
+  [the Newton iterate, n^(1/order)]: the Newton iterate of a concave increasing g never passes the root, n^(1/order)
+  is above it, so the safeguarded step converges at least as fast as Newton and cannot diverge.
+
+    python -m benchmarks.stieltjes_solver [--n 4096] [--rows 64] [--max-steps 3]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from hf_attention_backends.ops.stieltjes.reference import solve_lambda
+
+
+def score_rows(scale: float, n: int, rows: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = s - max_j s (rows, n) and values v (n, dim), float64."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, dim, generator=gen, dtype=torch.float64) * scale
+    k = torch.randn(n, dim, generator=gen, dtype=torch.float64) * scale
+    s = q @ k.T / dim ** 0.5
+    return s - s.max(dim=-1, keepdim=True).values, torch.randn(n, dim, generator=gen, dtype=torch.float64)
+
+
+def root_by_bisection(x: torch.Tensor, order: float, steps: int = 200) -> torch.Tensor:
+    lo = torch.ones(x.shape[0], dtype=x.dtype)
+    hi = torch.full_like(lo, x.shape[1] ** (1.0 / order))
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        above = (mid[:, None] - x).pow(-order).sum(dim=-1) > 1  # f decreasing: the root is right of mid
+        lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
+    return (lo + hi) / 2
+
+
+def halley(x: torch.Tensor, order: float, steps: int) -> torch.Tensor:
+    """Safeguarded Halley on g = f^(-1/order) - 1 from the reference's start (all keys allowed)."""
+    lam = solve_lambda(x, torch.ones_like(x, dtype=torch.bool), order, 0)
+    upper = torch.full_like(lam, x.shape[1] ** (1.0 / order))
+    a = -1.0 / order
+    for _ in range(steps):
+        y = lam[:, None] - x
+        p = y.pow(-order)
+        f, s1, s2 = p.sum(dim=-1), (p / y).sum(dim=-1), (p / y / y).sum(dim=-1)
+        df, d2f = -order * s1, order * (order + 1) * s2
+        g = f.pow(a) - 1
+        dg = a * f.pow(a - 1) * df
+        d2g = a * (a - 1) * f.pow(a - 2) * df * df + a * f.pow(a - 1) * d2f
+        newton = lam - g / dg
+        step = lam - 2 * g * dg / (2 * dg * dg - g * d2g)
+        step = torch.where(torch.isfinite(step), step, newton)
+        lam = torch.clamp_min(torch.minimum(torch.maximum(step, newton), upper), 1.0)
+    return lam
+
+
+def output_error(x: torch.Tensor, v: torch.Tensor, order: float, lam: torch.Tensor, exact: torch.Tensor) -> float:
+    def out(l):
+        p = (l[:, None] - x).pow(-order)
+        return p @ v / p.sum(dim=-1, keepdim=True)
+    o, oe = out(lam), out(exact)
+    return ((o - oe).norm(dim=-1) / oe.norm(dim=-1)).max().item()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=4096, help="keys per row (default 4096)")
+    ap.add_argument("--rows", type=int, default=64, help="query rows per case (default 64)")
+    ap.add_argument("--dim", type=int, default=64, help="head dim (default 64)")
+    ap.add_argument("--max-steps", type=int, default=3, help="solver steps to report (default 3)")
+    args = ap.parse_args(argv)
+    steps = range(args.max_steps + 1)
+    print(f"max relative output error after k steps (N={args.n}, {args.rows} rows, float64)")
+    print(f"{'order':>5s} {'scale':>5s}  " + " ".join(f"newton{k:<3d}" for k in steps) + "  "
+          + " ".join(f"halley{k:<3d}" for k in steps))
+    for order in (1.0, 2.0, 4.0, 8.0):
+        for scale in (0.05, 0.3, 1.0, 2.0, 3.0, 10.0, 30.0):
+            x, v = score_rows(scale, args.n, args.rows, args.dim, seed=int(100 * order + 10 * scale))
+            exact = root_by_bisection(x, order)
+            allowed = torch.ones_like(x, dtype=torch.bool)
+            nw = [output_error(x, v, order, solve_lambda(x, allowed, order, k), exact) for k in steps]
+            hl = [output_error(x, v, order, halley(x, order, k), exact) for k in steps]
+            print(f"{order:5.0f} {scale:5.2f}  " + " ".join(f"{e:9.1e}" for e in nw) + "  "
+                  + " ".join(f"{e:9.1e}" for e in hl))
+
+
+if __name__ == "__main__":
+    main()
