@@ -8,8 +8,8 @@ bisection) after 0..max_steps steps of
 
 - newton: the reference's solver (``solve_lambda``: Newton on g = f^(-1/order) - 1 from the Jensen lower bound);
 - halley: Halley's step on the same g (one more sum per sweep, sum_j y^(-order-2)), kept inside
-  [the Newton iterate, n^(1/order)]: the Newton iterate of a concave increasing g never passes the root, n^(1/order)
-  is above it, so the safeguarded step converges at least as fast as Newton and cannot diverge.
+  [the Newton iterate, n^(1/order)]: the Newton iterate of a concave increasing g never passes the root and
+  n^(1/order) is above it, so the step cannot diverge; unlike Newton it can pass the root.
 
     python -m benchmarks.stieltjes_solver [--n 4096] [--rows 64] [--max-steps 3]
 """
