@@ -74,31 +74,75 @@ __device__ __forceinline__ uint4 load_chunk(const T* base, long long stride, int
   return __ldg(reinterpret_cast<const uint4*>(base + (long long)row * stride) + k);
 }
 
-// Rows [row0, row0 + ROWS) of a matrix with D contiguous elements per row, rows `stride` elements
-// apart; rows >= n are zero. Needs base 16-byte aligned and stride % 8 == 0 (the host checks).
+// A block's copy of ROWS rows of D 16-bit elements in 16-byte chunks: this thread's chunk i is c = tid + 256 i,
+// row c / (D/8), chunk c % (D/8) of the row.
+template <int ROWS, int D> struct TileChunks {
+  static constexpr int kChunks = D / 8, kTotal = ROWS * kChunks;
+  static constexpr int kIters = (kTotal + kTileThreads - 1) / kTileThreads;
+  static __device__ __forceinline__ int index(int i) { return threadIdx.x + i * kTileThreads; }
+  static __device__ __forceinline__ bool used(int i) { return kTotal % kTileThreads == 0 || index(i) < kTotal; }
+};
+
+// This thread's chunks of rows [row0, row0 + ROWS) of a matrix with D contiguous elements per row, rows `stride`
+// elements apart (rows >= n are zero), into registers. Needs base 16-byte aligned and stride % 8 == 0 (the host
+// checks).
 template <int ROWS, int D, typename T>
-__device__ __forceinline__ void load_tile(Tile<ROWS, D>& t, const T* base, long long stride, int row0, int n) {
-  constexpr int kChunks = D / 8;  // 16-byte chunks per row
-  for (int c = threadIdx.x; c < ROWS * kChunks; c += kTileThreads) {
-    const int r = c / kChunks, k = c % kChunks;
-    const uint4 x = load_chunk(base, stride, row0 + r, k, n);
-    *reinterpret_cast<uint2*>(&t.w[r][4 * k]) = make_uint2(x.x, x.y);
-    *reinterpret_cast<uint2*>(&t.w[r][4 * k + 2]) = make_uint2(x.z, x.w);
+__device__ __forceinline__ void fetch_tile(uint4 (&x)[TileChunks<ROWS, D>::kIters], const T* base, long long stride,
+                                           int row0, int n) {
+  using C = TileChunks<ROWS, D>;
+#pragma unroll
+  for (int i = 0; i < C::kIters; ++i) {
+    const int c = C::index(i);
+    x[i] = C::used(i) ? load_chunk(base, stride, row0 + c / C::kChunks, c % C::kChunks, n) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// The fetched chunks into t (16-bit, as loaded).
+template <typename T, int ROWS, int D>
+__device__ __forceinline__ void store_tile(Tile<ROWS, D>& t, const uint4 (&x)[TileChunks<ROWS, D>::kIters]) {
+  using C = TileChunks<ROWS, D>;
+#pragma unroll
+  for (int i = 0; i < C::kIters; ++i) {
+    if (!C::used(i)) continue;
+    const int r = C::index(i) / C::kChunks, k = C::index(i) % C::kChunks;
+    *reinterpret_cast<uint2*>(&t.w[r][4 * k]) = make_uint2(x[i].x, x[i].y);
+    *reinterpret_cast<uint2*>(&t.w[r][4 * k + 2]) = make_uint2(x[i].z, x[i].w);
   }
 }
 
 // The same, converted to fp32.
-template <int ROWS, int D, typename T>
-__device__ __forceinline__ void load_tile(FTile<ROWS, D>& t, const T* base, long long stride, int row0, int n) {
-  constexpr int kChunks = D / 8;
-  for (int c = threadIdx.x; c < ROWS * kChunks; c += kTileThreads) {
-    const int r = c / kChunks, k = c % kChunks;
-    const uint4 x = load_chunk(base, stride, row0 + r, k, n);
-    const float2 a = Pair<T>::to_float2(x.x), b = Pair<T>::to_float2(x.y);
-    const float2 e = Pair<T>::to_float2(x.z), f = Pair<T>::to_float2(x.w);
+template <typename T, int ROWS, int D>
+__device__ __forceinline__ void store_tile(FTile<ROWS, D>& t, const uint4 (&x)[TileChunks<ROWS, D>::kIters]) {
+  using C = TileChunks<ROWS, D>;
+#pragma unroll
+  for (int i = 0; i < C::kIters; ++i) {
+    if (!C::used(i)) continue;
+    const int r = C::index(i) / C::kChunks, k = C::index(i) % C::kChunks;
+    const float2 a = Pair<T>::to_float2(x[i].x), b = Pair<T>::to_float2(x[i].y);
+    const float2 e = Pair<T>::to_float2(x[i].z), f = Pair<T>::to_float2(x[i].w);
     *reinterpret_cast<float4*>(&t.v[r][8 * k]) = make_float4(a.x, a.y, b.x, b.y);
     *reinterpret_cast<float4*>(&t.v[r][8 * k + 4]) = make_float4(e.x, e.y, f.x, f.y);
   }
+}
+
+// Rows [row0, row0 + ROWS) into a Tile or FTile: every load of this thread in flight before the first store (a store
+// right after its load would wait out each load's latency in turn).
+template <typename T, typename TileT>
+__device__ __forceinline__ void load_tile(TileT& t, const T* base, long long stride, int row0, int n) {
+  uint4 x[TileChunks<TileT::kRows, TileT::kD>::kIters];
+  fetch_tile<TileT::kRows, TileT::kD>(x, base, stride, row0, n);
+  store_tile<T>(t, x);
+}
+
+// Two tiles of the same rows (K and V, Q and dO): both tiles' loads in flight before the stores.
+template <typename T, typename TileA, typename TileB>
+__device__ __forceinline__ void load_tiles(TileA& a, const T* base_a, long long stride_a, TileB& b, const T* base_b,
+                                           long long stride_b, int row0, int n) {
+  uint4 xa[TileChunks<TileA::kRows, TileA::kD>::kIters], xb[TileChunks<TileB::kRows, TileB::kD>::kIters];
+  fetch_tile<TileA::kRows, TileA::kD>(xa, base_a, stride_a, row0, n);
+  fetch_tile<TileB::kRows, TileB::kD>(xb, base_b, stride_b, row0, n);
+  store_tile<T>(a, xa);
+  store_tile<T>(b, xb);
 }
 
 // Elements [4s, 4s + 4) of row r as fp32.

@@ -115,8 +115,7 @@ __device__ __forceinline__ void attn_fwd_grid(const Params& p) {
   const int kend = key_end(p, q0, BQ);
   for (int k0 = 0; k0 < kend; k0 += BK) {
     __syncthreads();  // the previous tile's readers are done
-    load_tile(ks, k, p.sk.n, k0, p.nk);
-    load_tile(vs, v, p.sv.n, k0, p.nk);
+    load_tiles(ks, k, p.sk.n, vs, v, p.sv.n, k0, p.nk);
     key_bias(bias, p, b, k0);
     __syncthreads();
 
@@ -668,8 +667,8 @@ __device__ __forceinline__ void dq_grid(const Params& p) {
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h;
 
-  load_tile(qs, static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h, p.sq.n, q0, p.nq);
-  load_tile(dos, static_cast<const T*>(p.dout) + b * p.sdo.b + h * p.sdo.h, p.sdo.n, q0, p.nq);
+  load_tiles(qs, static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h, p.sq.n,
+             dos, static_cast<const T*>(p.dout) + b * p.sdo.b + h * p.sdo.h, p.sdo.n, q0, p.nq);
   float lse2[TR], dl[TR];
   float2 acc[TR][TD];
 #pragma unroll
@@ -684,8 +683,7 @@ __device__ __forceinline__ void dq_grid(const Params& p) {
   const int kend = key_end(p, q0, BQ);
   for (int k0 = 0; k0 < kend; k0 += BK) {
     __syncthreads();
-    load_tile(ks, k, p.sk.n, k0, p.nk);
-    load_tile(vs, v, p.sv.n, k0, p.nk);
+    load_tiles(ks, k, p.sk.n, vs, v, p.sv.n, k0, p.nk);
     key_bias(bias, p, b, k0);
     __syncthreads();
 
@@ -847,8 +845,8 @@ __device__ __forceinline__ void dkv_grid(const Params& p) {
   const int g = blockIdx.y, b = blockIdx.z;
   const int offset = p.nk - p.nq;
 
-  load_tile(ks, static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h, p.sk.n, k0, p.nk);
-  load_tile(vs, static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h, p.sv.n, k0, p.nk);
+  load_tiles(ks, static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h, p.sk.n,
+             vs, static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h, p.sv.n, k0, p.nk);
   float kb[TR];
   float2 dk[TR][TD], dv[TR][TD];
 #pragma unroll
@@ -869,8 +867,7 @@ __device__ __forceinline__ void dkv_grid(const Params& p) {
     const T* dout = static_cast<const T*>(p.dout) + b * p.sdo.b + h * p.sdo.h;
     for (int q0 = q_first; q0 < p.nq; q0 += BQ) {
       __syncthreads();
-      load_tile(qs, q, p.sq.n, q0, p.nq);
-      load_tile(dos, dout, p.sdo.n, q0, p.nq);
+      load_tiles(qs, q, p.sq.n, dos, dout, p.sdo.n, q0, p.nq);
       for (int c = threadIdx.x; c < BQ; c += kTileThreads) {
         lse2s[c] = lse2_of(p, row_base, q0 + c);
         dls[c] = q0 + c < p.nq ? p.delta[row_base + q0 + c] : 0.f;

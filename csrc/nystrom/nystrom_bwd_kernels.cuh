@@ -156,8 +156,7 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_k1_bwd_kernel(const BwdPa
   const int qbeg = split * bp.a_chunk, qend = s0 < nvalid ? min(qbeg + bp.a_chunk, p.n) : qbeg;
   for (int q0 = qbeg; q0 < qend; q0 += BQ) {
     __syncthreads();  // the previous tile's readers are done
-    load_tile(qs, q, p.sq.n, q0, qend);
-    load_tile(dos, dout, D, q0, qend);
+    load_tiles(qs, q, p.sq.n, dos, dout, D, q0, qend);
     for (int c = threadIdx.x; c < BQ; c += kThreads) {
       const bool ok = q0 + c < qend;
       lse[c] = ok ? bp.lse1[(long long)bh * p.n + q0 + c] : 0.f;
@@ -243,8 +242,7 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_k3_bwd_kernel(const BwdPa
   const int kbeg = split * bp.b_chunk, kend = bp.exact[b] ? kbeg : min(kbeg + bp.b_chunk, p.n);
   for (int k0 = kbeg; k0 < kend; k0 += BK) {
     __syncthreads();
-    load_tile(ks, k, p.sk.n, k0, kend);
-    load_tile(vs, v, p.sv.n, k0, kend);
+    load_tiles(ks, k, p.sk.n, vs, v, p.sv.n, k0, kend);
     for (int c = threadIdx.x; c < BK; c += kThreads) {
       const int j = k0 + c;
       const bool ok = j < kend && (p.mask == nullptr || p.mask[b * p.mask_stride + j]);
@@ -311,8 +309,8 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_kv_bwd_kernel(const BwdPa
     for (int c = 0; c < TD; ++c) acck[i][c] = accv[i][c] = make_float2(0.f, 0.f);
 
   if (landmark) {
-    load_tile(ks, static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h, p.sk.n, j0, p.n);
-    load_tile(vs, static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h, p.sv.n, j0, p.n);
+    load_tiles(ks, static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h, p.sk.n,
+               vs, static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h, p.sv.n, j0, p.n);
     for (int c = threadIdx.x; c < BK; c += kThreads) {
       const int j = j0 + c;
       const bool ok = j < p.n && (p.mask == nullptr || p.mask[b * p.mask_stride + j]);
@@ -431,8 +429,8 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_dq_bwd_kernel(const BwdPa
   const float scale_log2 = p.root * kLog2e;
   const float* keys = p.keys + bh * p.slots * D;
   const float* vals = p.vals + bh * p.slots * D;
-  load_tile(qs, static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h, p.sq.n, q0, p.n);
-  load_tile(dos, static_cast<const T*>(bp.dout) + bh * p.n * D, D, q0, p.n);
+  load_tiles(qs, static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h, p.sq.n,
+             dos, static_cast<const T*>(bp.dout) + bh * p.n * D, D, q0, p.n);
   float lse[TR], delta[TR];
   float2 acc[TR][TD];
 #pragma unroll

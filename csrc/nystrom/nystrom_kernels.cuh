@@ -194,8 +194,7 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_k3_fwd_kernel(const Param
   const int kbeg = split * p.chunk, kend = min(kbeg + p.chunk, p.n);
   for (int k0 = kbeg; k0 < kend; k0 += BK) {
     __syncthreads();  // the previous tile's readers are done
-    load_tile(ks, k, p.sk.n, k0, kend);
-    load_tile(vs, v, p.sv.n, k0, kend);
+    load_tiles(ks, k, p.sk.n, vs, v, p.sv.n, k0, kend);
     for (int c = threadIdx.x; c < BK; c += kThreads) {
       const int j = k0 + c;
       const bool ok = j < kend && (p.mask == nullptr || p.mask[b * p.mask_stride + j]);
