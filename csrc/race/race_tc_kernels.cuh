@@ -64,6 +64,7 @@ struct Tiles {
   static constexpr int qo_st_off = phk_off + 2 * kC * 4;
   static constexpr int query_out_bytes = qo_st_off + kS * kX * 4;
   static_assert(ks_vt_off % 16 == 0 && ks_ok_off % 16 == 0 && ks_xv_off % 16 == 0 && qo_st_off % 16 == 0 &&
+                st_off % 16 == 0 &&
                 bytes % 16 == 0 && x_bytes % 16 == 0, "16-byte aligned tiles");
   static_assert(key_states_bytes <= st_off && query_out_bytes <= bytes, "packed layouts are smaller");
 
@@ -536,16 +537,33 @@ __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, 
   __syncthreads();
 }
 
-// One state (A (S, D), z (S)) into s.st: [feature][d] fp32, z in column D, zeros elsewhere; round_tf32: each
-// value rounded to tf32 (as tile_num would round it at every use) for a state that is only read.
+// One state (A (S, D), z (S); global memory, 16-byte aligned, read-only while the kernel runs) into s.st:
+// [feature][d] fp32, z in column D, zeros elsewhere; round_tf32: each value rounded to tf32 (as tile_num would
+// round it at every use) for a state that is only read. A in 16-byte loads, four per thread in flight before
+// their stores (one 4-byte load then its store per element before: 36 latencies in turn per thread at D = 64).
 template <typename T, int D>
 __device__ void load_state(const Params& p, const float* A, const float* z, Tiles<T, D>& s, bool round_tf32 = false) {
-  constexpr int kX = D + 8;
-  for (int e = threadIdx.x; e < kS * kX; e += kThreads) {
-    const int f = e / kX, d = e % kX;
-    float val = 0.f;
-    if (f < p.features) val = d < D ? A[(long long)f * D + d] : (d == D ? z[f] : 0.f);
-    s.st[e] = round_tf32 ? __uint_as_float(mma::to_tf32(val)) : val;
+  constexpr int kX = D + 8, kQuads = D / 4, kIters = kS * kQuads / kThreads, kBatch = kIters < 4 ? kIters : 4;
+  static_assert(kS * kQuads % kThreads == 0 && kIters % kBatch == 0, "state tile shapes");
+  auto rounded = [round_tf32](float x) { return round_tf32 ? __uint_as_float(mma::to_tf32(x)) : x; };
+#pragma unroll
+  for (int i0 = 0; i0 < kIters; i0 += kBatch) {
+    float4 val[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int e = threadIdx.x + (i0 + i) * kThreads, f = e / kQuads;
+      val[i] = f < p.features ? __ldg(reinterpret_cast<const float4*>(A) + e) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int e = threadIdx.x + (i0 + i) * kThreads, f = e / kQuads, c = e % kQuads;
+      *reinterpret_cast<float4*>(s.st + f * kX + 4 * c) =
+          make_float4(rounded(val[i].x), rounded(val[i].y), rounded(val[i].z), rounded(val[i].w));
+    }
+  }
+  for (int e = threadIdx.x; e < kS * 8; e += kThreads) {  // columns D..D+7: z, then zeros
+    const int f = e / 8, d = e % 8;
+    s.st[f * kX + D + d] = d == 0 && f < p.features ? rounded(z[f]) : 0.f;
   }
 }
 
