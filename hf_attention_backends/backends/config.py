@@ -30,16 +30,18 @@ class NystromConfig:
 
 @dataclass(frozen=True)
 class StieltjesConfig:
-    """order (>= 1; 4 by default), newton_iter (>= 1), per_head_temperature (after convert: one learnable
-    score temperature per query head, initialised to 1, multiplying the scores, i.e. the effective scale)."""
+    """order (>= 1; 4 by default), newton_iter (>= 1; None: the order's default, 3 at order >= 4, see
+    ``stieltjes_attention``), per_head_temperature (after convert: one learnable score temperature per query head,
+    initialised to 1, multiplying the scores, i.e. the effective scale)."""
     order: float = 4.0
-    newton_iter: int = 3
+    newton_iter: Optional[int] = None
     per_head_temperature: bool = False
 
     def __post_init__(self):
         if not float(self.order) >= 1.0:
             raise ValueError(f"order={self.order} is not supported; supported: order >= 1")
-        _int_in("newton_iter", self.newton_iter, 1, 100)
+        if self.newton_iter is not None:
+            _int_in("newton_iter", self.newton_iter, 1, 100)
         if not isinstance(self.per_head_temperature, bool):
             raise TypeError(f"per_head_temperature must be a bool, got {self.per_head_temperature!r}")
 

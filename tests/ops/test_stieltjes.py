@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 import hf_attention_backends as hfab
 from hf_attention_backends.ops.stieltjes import reference
-from hf_attention_backends.ops.stieltjes.op import reference_attention
+from hf_attention_backends.backends.config import StieltjesConfig
+from hf_attention_backends.ops.stieltjes.op import default_newton_iter, reference_attention
 from tests.inputs import SHAPES, make_padding, make_qkv
 from tests.tolerance import assert_close_to_oracle
 
@@ -90,6 +91,30 @@ def test_default_solver_within_1e3_of_root(causal):
     root = oracle_stieltjes(q, k, v, order=4.0, causal=causal, scale=64 ** -0.5, key_padding_mask=None)
     for b in range(4):
         assert_close_to_oracle(out[b], root[b], atol=0, rtol=1e-3, name=f"output at x{float(scales[b])}")
+
+
+@pytest.mark.parametrize("order, nk", [(1.0, 333), (2.0, 2049), (3.0, 2049), (8.0, 2049)])
+def test_default_steps_per_order_within_1e3_of_root(order, nk):
+    """The accuracy contract at the other orders with newton_iter left at its default (default_newton_iter):
+    fp32, q, k scaled x0.3, x1, x5, x10, 64 query rows. A fixed 3 steps is 3.0e-1 off at order 1 (x10, N = 333)
+    and 1.0e-2 at order 2 (x5, N = 2049) on these inputs."""
+    scales = torch.tensor([0.3, 1.0, 5.0, 10.0], dtype=torch.float64)[:, None, None, None]
+    q, k, v = make_qkv(4, 1, 1, 64, nk, 64, seed=11)
+    q, k = q * scales, k * scales
+    out = run(q.float(), k.float(), v.float(), order=order)
+    root = oracle_stieltjes(q, k, v, order=order, causal=False, scale=64 ** -0.5, key_padding_mask=None)
+    for b in range(4):
+        assert_close_to_oracle(out[b], root[b], atol=0, rtol=1e-3, name=f"order {order} output at x{float(scales[b])}")
+
+
+def test_default_newton_iter_depends_on_order():
+    assert [default_newton_iter(o) for o in (1.0, 1.9, 2.0, 2.4, 2.5, 3.9, 4.0, 16.0)] == [6, 6, 5, 5, 4, 4, 3, 3]
+    q, k, v = make_qkv(1, 2, 1, 5, 9, 8, dtype=torch.float32, seed=12)
+    assert torch.equal(run(q, k, v, order=2.0), run(q, k, v, order=2.0, newton_iter=5))
+    assert not torch.equal(run(q, k, v, order=2.0), run(q, k, v, order=2.0, newton_iter=3))
+    assert StieltjesConfig().newton_iter is None and StieltjesConfig(newton_iter=7).newton_iter == 7
+    with pytest.raises(ValueError, match="newton_iter"):
+        StieltjesConfig(newton_iter=0)
 
 
 @pytest.mark.parametrize("order", [1.0, 8.0])

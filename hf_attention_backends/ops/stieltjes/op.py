@@ -62,6 +62,18 @@ def _backward(ctx, dout, _drowmax, _dlam):
 stieltjes_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def default_newton_iter(order: float) -> int:
+    """The solver steps that keep the output within 1e-3 (relative) of the exact-root output at this order: 3 for
+    order >= 4, 4 from 2.5, 5 from 2, else 6. Each is the most any case of ``python -m benchmarks.stieltjes_solver``'s
+    wider grid needed to reach 1e-4 (scores of standard normal q, k times 0.05..10, N 1..16384, float64); with a
+    fixed 3, order 2 reached 1.5e-3 and order 1 2e-1 there (``csrc/stieltjes/NOTES.md``, "Steps per order")."""
+    if order >= 4.0:
+        return 3
+    if order >= 2.5:
+        return 4
+    return 5 if order >= 2.0 else 6
+
+
 def _check_args(q, k, v, order, newton_iter, scale, key_padding_mask):
     check_qkv(q, k, v)
     key_padding_mask = check_key_padding_mask(key_padding_mask, k)
@@ -69,11 +81,13 @@ def _check_args(q, k, v, order, newton_iter, scale, key_padding_mask):
         raise TypeError(f"order must be a float, got {type(order).__name__} ({order!r})")
     if not (math.isfinite(order) and order >= 1.0):
         raise ValueError(f"order={order} is not supported; supported: a finite number >= 1 (default 4.0)")
+    if newton_iter is None:
+        newton_iter = default_newton_iter(order)
     newton_iter = check_positive_int("newton_iter", newton_iter, minimum=1, maximum=MAX_NEWTON_ITER)
     return float(order), newton_iter, resolve_scale(scale, q.shape[-1]), key_padding_mask
 
 
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, order: float = 4.0, newton_iter: int = 3,
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, order: float = 4.0, newton_iter: Optional[int] = None,
                         causal: bool = False, scale: Optional[float] = None,
                         key_padding_mask: Optional[Tensor] = None) -> Tensor:
     """The pure-PyTorch reference with plain autograd (no op, no kernel): the benchmarks' baseline.
@@ -89,7 +103,7 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, order: float = 4.0, 
     return out
 
 
-def stieltjes_attention(q: Tensor, k: Tensor, v: Tensor, *, order: float = 4.0, newton_iter: int = 3,
+def stieltjes_attention(q: Tensor, k: Tensor, v: Tensor, *, order: float = 4.0, newton_iter: Optional[int] = None,
                         causal: bool = False, scale: Optional[float] = None,
                         key_padding_mask: Optional[Tensor] = None) -> Tensor:
     """Stieltjes attention: power-law normalisation (lambda - x)^(-order) instead of softmax.
@@ -99,9 +113,10 @@ def stieltjes_attention(q: Tensor, k: Tensor, v: Tensor, *, order: float = 4.0, 
         k, v: (B, Hkv, Nk, D), same dtype and device; Hq must be a multiple of Hkv (GQA/MQA:
             query head h reads kv head h // (Hq / Hkv)).
         order: the power, a finite number >= 1 (default 4.0).
-        newton_iter: Newton steps for lambda, 1..100 (default 3). With the defaults the output is
-            within 1e-3 (relative, fp32 compute) of the output at the exact root for typical scores;
-            raise it for order < 4 or at N well beyond a few thousand.
+        newton_iter: Newton steps for lambda, 1..100; None (default): ``default_newton_iter(order)``, 3 at
+            order >= 4 and up to 6 at order < 2, which keeps the output within 1e-3 (relative, fp32 compute)
+            of the output at the exact root for scores of q, k up to 10x standard normal (each step is one
+            more pass over the keys in the CUDA kernel).
         causal: bottom-right aligned causal mask (query i sees keys j <= i + Nk - Nq).
         scale: score scale, default D**-0.5.
         key_padding_mask: optional (B, Nk) bool, True = real key.
