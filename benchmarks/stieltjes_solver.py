@@ -12,6 +12,8 @@ bisection) after 0..max_steps steps of
   n^(1/order) is above it, so the step cannot diverge; unlike Newton it can pass the root.
 
     python -m benchmarks.stieltjes_solver [--n 4096] [--rows 64] [--max-steps 3]
+    python -m benchmarks.stieltjes_solver --steps-needed [--tol 3e-4]   # per order: the Newton steps the wider
+        grid (scales 0.05..10, N 1..16384, 8 rows each) needs everywhere: the table behind default_newton_iter
 """
 from __future__ import annotations
 
@@ -69,13 +71,34 @@ def output_error(x: torch.Tensor, v: torch.Tensor, order: float, lam: torch.Tens
     return ((o - oe).norm(dim=-1) / oe.norm(dim=-1)).max().item()
 
 
+def newton_steps_needed(order: float, tol: float, scales=(0.05, 0.3, 1, 2, 3, 5, 7, 10),
+                        sizes=(1, 2, 7, 64, 333, 2049, 4097, 16384), rows: int = 8, limit: int = 60) -> tuple:
+    """(steps, scale, N): the most Newton steps any (scale, N) case needs to bring its output within `tol`."""
+    worst = (0, None, None)
+    for case, (scale, n) in enumerate((s, n) for s in scales for n in sizes):
+        x, v = score_rows(scale, n, rows, 64, seed=case)
+        exact = root_by_bisection(x, order)
+        allowed = torch.ones_like(x, dtype=torch.bool)
+        steps = next((k for k in range(limit) if output_error(x, v, order, solve_lambda(x, allowed, order, k),
+                                                               exact) <= tol), limit)
+        worst = max(worst, (steps, scale, n), key=lambda w: w[0])
+    return worst
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=4096, help="keys per row (default 4096)")
     ap.add_argument("--rows", type=int, default=64, help="query rows per case (default 64)")
     ap.add_argument("--dim", type=int, default=64, help="head dim (default 64)")
     ap.add_argument("--max-steps", type=int, default=3, help="solver steps to report (default 3)")
+    ap.add_argument("--steps-needed", action="store_true", help="per order, the Newton steps the grid needs")
+    ap.add_argument("--tol", type=float, default=3e-4, help="output error for --steps-needed (default 3e-4)")
     args = ap.parse_args(argv)
+    if args.steps_needed:
+        for order in (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 8.0):
+            steps, scale, n = newton_steps_needed(order, args.tol)
+            print(f"order {order:4.1f}: {steps} Newton steps (worst case: scale {scale}, N {n})")
+        return
     steps = range(args.max_steps + 1)
     print(f"max relative output error after k steps (N={args.n}, {args.rows} rows, float64)")
     print(f"{'order':>5s} {'scale':>5s}  " + " ".join(f"newton{k:<3d}" for k in steps) + "  "

@@ -476,3 +476,9 @@ def test_stieltjes_solver_study_prints_a_row_per_case(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[1].split() == ["order", "scale", "newton0", "newton1", "halley0", "halley1"]
     assert len(out) == 2 + 4 * 7 and all(len(line.split()) == 6 for line in out[2:])
+
+
+def test_stieltjes_solver_steps_needed_grows_as_the_order_falls():
+    low = stieltjes_solver.newton_steps_needed(1.0, 1e-4, scales=(10,), sizes=(333,), rows=8)
+    high = stieltjes_solver.newton_steps_needed(4.0, 1e-4, scales=(10,), sizes=(333,), rows=8)
+    assert low[1:] == (10, 333) and low[0] >= 4 and high[0] < low[0]  # order 1's heavy tail: slow from the start

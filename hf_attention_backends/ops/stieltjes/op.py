@@ -64,9 +64,10 @@ stieltjes_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def default_newton_iter(order: float) -> int:
     """The solver steps that keep the output within 1e-3 (relative) of the exact-root output at this order: 3 for
-    order >= 4, 4 from 2.5, 5 from 2, else 6. Each is the most any case of ``python -m benchmarks.stieltjes_solver``'s
-    wider grid needed to reach 1e-4 (scores of standard normal q, k times 0.05..10, N 1..16384, float64); with a
-    fixed 3, order 2 reached 1.5e-3 and order 1 2e-1 there (``csrc/stieltjes/NOTES.md``, "Steps per order")."""
+    order >= 4, 4 from 2.5, 5 from 2, else 6. Each is at least the most any case of ``python -m
+    benchmarks.stieltjes_solver --steps-needed`` needed to reach 3e-4 (scores of standard normal q, k times
+    0.05..10, N 1..16384, float64); with a fixed 3 the output was 3e-1 off at order 1 (``csrc/stieltjes/NOTES.md``,
+    "Steps per order")."""
     if order >= 4.0:
         return 3
     if order >= 2.5:
