@@ -151,11 +151,12 @@ __device__ __forceinline__ void load_vt(const T* v, long long stride, int row0, 
     for (int i = 0; i < kBatch; ++i)
       val[i] = row_ok ? *reinterpret_cast<const uint4*>(src + 8 * kPass * (i0 + i)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const T* parts = reinterpret_cast<const T*>(&val[i]);
+    for (int i = 0; i < kBatch; ++i) {  // element e of the chunk: 16-bit half e % 2 of word e / 2 (no local copy)
+      const uint32_t words[4] = {val[i].x, val[i].y, val[i].z, val[i].w};
       const int c = c0 + kPass * (i0 + i);
+      uint16_t* col = reinterpret_cast<uint16_t*>(vt) + 8 * c * kT + j;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) vt[(8 * c + e) * kT + j] = parts[e];
+      for (int e = 0; e < 8; ++e) col[e * kT] = static_cast<uint16_t>(e % 2 ? words[e / 2] >> 16 : words[e / 2]);
     }
   }
 }
