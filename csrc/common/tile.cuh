@@ -97,32 +97,28 @@ __device__ __forceinline__ void fetch_tile(uint4 (&x)[TileChunks<ROWS, D>::kIter
   }
 }
 
-// The fetched chunks into t (16-bit, as loaded).
+// Chunk k (elements 8k .. 8k + 7) of row r from its 16 loaded bytes: as loaded into a Tile, converted into an FTile.
 template <typename T, int ROWS, int D>
-__device__ __forceinline__ void store_tile(Tile<ROWS, D>& t, const uint4 (&x)[TileChunks<ROWS, D>::kIters]) {
-  using C = TileChunks<ROWS, D>;
-#pragma unroll
-  for (int i = 0; i < C::kIters; ++i) {
-    if (!C::used(i)) continue;
-    const int r = C::index(i) / C::kChunks, k = C::index(i) % C::kChunks;
-    *reinterpret_cast<uint2*>(&t.w[r][4 * k]) = make_uint2(x[i].x, x[i].y);
-    *reinterpret_cast<uint2*>(&t.w[r][4 * k + 2]) = make_uint2(x[i].z, x[i].w);
-  }
+__device__ __forceinline__ void put_chunk(Tile<ROWS, D>& t, int r, int k, uint4 x) {
+  *reinterpret_cast<uint2*>(&t.w[r][4 * k]) = make_uint2(x.x, x.y);
+  *reinterpret_cast<uint2*>(&t.w[r][4 * k + 2]) = make_uint2(x.z, x.w);
 }
 
-// The same, converted to fp32.
 template <typename T, int ROWS, int D>
-__device__ __forceinline__ void store_tile(FTile<ROWS, D>& t, const uint4 (&x)[TileChunks<ROWS, D>::kIters]) {
-  using C = TileChunks<ROWS, D>;
+__device__ __forceinline__ void put_chunk(FTile<ROWS, D>& t, int r, int k, uint4 x) {
+  const float2 a = Pair<T>::to_float2(x.x), b = Pair<T>::to_float2(x.y);
+  const float2 e = Pair<T>::to_float2(x.z), f = Pair<T>::to_float2(x.w);
+  *reinterpret_cast<float4*>(&t.v[r][8 * k]) = make_float4(a.x, a.y, b.x, b.y);
+  *reinterpret_cast<float4*>(&t.v[r][8 * k + 4]) = make_float4(e.x, e.y, f.x, f.y);
+}
+
+// The fetched chunks into a Tile or FTile.
+template <typename T, typename TileT>
+__device__ __forceinline__ void store_tile(TileT& t, const uint4 (&x)[TileChunks<TileT::kRows, TileT::kD>::kIters]) {
+  using C = TileChunks<TileT::kRows, TileT::kD>;
 #pragma unroll
-  for (int i = 0; i < C::kIters; ++i) {
-    if (!C::used(i)) continue;
-    const int r = C::index(i) / C::kChunks, k = C::index(i) % C::kChunks;
-    const float2 a = Pair<T>::to_float2(x[i].x), b = Pair<T>::to_float2(x[i].y);
-    const float2 e = Pair<T>::to_float2(x[i].z), f = Pair<T>::to_float2(x[i].w);
-    *reinterpret_cast<float4*>(&t.v[r][8 * k]) = make_float4(a.x, a.y, b.x, b.y);
-    *reinterpret_cast<float4*>(&t.v[r][8 * k + 4]) = make_float4(e.x, e.y, f.x, f.y);
-  }
+  for (int i = 0; i < C::kIters; ++i)
+    if (C::used(i)) put_chunk<T>(t, C::index(i) / C::kChunks, C::index(i) % C::kChunks, x[i]);
 }
 
 // Rows [row0, row0 + ROWS) into a Tile or FTile: every load of this thread in flight before the first store (a store
