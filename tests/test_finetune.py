@@ -4,6 +4,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -476,6 +477,47 @@ def test_hfab_finetune_command_errors(tmp_path, capsys):
     assert "is not a file" in capsys.readouterr().err
 
 
+def two_process_config(tmp_path) -> Path:
+    """The smoke recipe with batch 2 and 2 micro-batches per step: on 2 processes the global batch of
+    ``smoke_recipe(..., grad_accum=2)`` with ``data.batch_size = 4`` on one."""
+    config = tmp_path / "two_processes.yaml"
+    config.write_text(SMOKE.read_text().replace("  batch_size: 4\n", "  batch_size: 2\n")
+                      .replace("grad_accum: 1", "grad_accum: 2") + "  plot: false\n")
+    assert load_recipe(config).data.batch_size == 2 and load_recipe(config).train.grad_accum == 2
+    return config
+
+
+def launch_two_cpu_processes(script: Path, config: Path, out_dir: Path, *args: str, env: Optional[dict] = None):
+    """``accelerate launch`` of ``script --config config --output-dir out_dir *args`` on 2 CPU (gloo) processes."""
+    try:
+        import accelerate.commands.launch  # noqa: F401
+    except ImportError as err:
+        pytest.fail(f"accelerate's launcher is a test dependency and cannot be imported: {err}")
+    # accelerate's `--cpu` launches one process whatever --num_processes says; `--multi_gpu` runs torchrun,
+    # and ACCELERATE_USE_CPU makes each process's Accelerator join a CPU (gloo) process group
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           str(script), "--config", str(config), "--output-dir", str(out_dir), *args],
+                          cwd=out_dir.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def assert_same_curve(one_dir: Path, two_dir: Path, rel: float):
+    """Same logged rows in the same order, and every loss, lr, grad norm and evaluation within ``rel``."""
+    one, two = read_csv(one_dir / "log.csv"), read_csv(two_dir / "log.csv")
+    # a second process running on its own would have written its rows too
+    assert [(r["stage"], r["step"], sorted(r)) for r in two] == [(r["stage"], r["step"], sorted(r)) for r in one]
+    losses = [(r["stage"], r["step"]) for r in one if "loss" in r]
+    assert losses == [(s, float(i)) for s in ("transfer", "fine_tune") for i in (1, 2, 3)]
+    for a, b in zip(one, two):
+        for key in ("loss", "lr", "grad_norm", "ppl", "top1_agreement"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=rel, abs=0), (a["stage"], a["step"], key)
+
+
 @pytest.mark.slow
 def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     """2 gloo processes × batch 2 vs 1 process × batch 4, both 2 micro-batches per step, same seed.
@@ -485,36 +527,56 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path
     differ, ~1e-7 relative on CPU. Averaging per-process token means instead of the global token mean, or
     calibrating on different rows, shifts these losses by 7e-5 to 2e-3 relative; rtol 1e-5 separates both.
     """
-    try:
-        import accelerate.commands.launch  # noqa: F401
-    except ImportError as err:
-        pytest.fail(f"accelerate's launcher is a test dependency and cannot be imported: {err}")
     recipe = smoke_recipe(tmp_path / "one", save_every=0, grad_accum=2, plot=False)
     recipe.data.batch_size = 4
     run(recipe)
-    config = tmp_path / "ddp.yaml"
-    config.write_text(SMOKE.read_text().replace("  batch_size: 4\n", "  batch_size: 2\n")
-                      .replace("grad_accum: 1", "grad_accum: 2") + "  plot: false\n")
-    assert load_recipe(config).data.batch_size == 2 and load_recipe(config).train.grad_accum == 2
-    # accelerate's `--cpu` launches one process whatever --num_processes says; `--multi_gpu` runs torchrun,
-    # and ACCELERATE_USE_CPU makes each process's Accelerator join a CPU (gloo) process group
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                           str(ROOT / "finetune" / "train.py"), "--config", str(config),
-                           "--output-dir", str(tmp_path / "two")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one, two = read_csv(tmp_path / "one" / "log.csv"), read_csv(tmp_path / "two" / "log.csv")
-    # same rows in the same order: a second process running on its own would have written its rows too
-    assert [(r["stage"], r["step"], sorted(r)) for r in two] == [(r["stage"], r["step"], sorted(r)) for r in one]
-    losses = [(r["stage"], r["step"]) for r in one if "loss" in r]
-    assert losses == [(s, float(i)) for s in ("transfer", "fine_tune") for i in (1, 2, 3)]
-    for a, b in zip(one, two):
-        for key in ("loss", "lr", "grad_norm", "ppl", "top1_agreement"):
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=0), (a["stage"], a["step"], key)
+    launch_two_cpu_processes(ROOT / "finetune" / "train.py", two_process_config(tmp_path), tmp_path / "two")
+    assert_same_curve(tmp_path / "one", tmp_path / "two", rel=1e-5)
+
+
+def one_process_run(out_dir: Path, method: str, keep_best: bool):
+    recipe = smoke_recipe(out_dir, save_every=2, grad_accum=2, plot=False, keep_best=keep_best,
+                          eval_every=1 if keep_best else 0)
+    recipe.data.batch_size = 4
+    recipe.fine_tune.method = method
+    run(recipe)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, keep_best", [("full", True), ("lora", False)])
+def test_fsdp2_two_processes_match_one_process_and_resume_exactly(tmp_path, monkeypatch, method, keep_best):
+    """Real FSDP2 (``tests/fsdp_on_cpu.py``: DTensor shards over 2 gloo processes, batch 2 each) against one
+    process with batch 4, 2 micro-batches per step either way: the logged curve within 1e-5 (the reduce-scatter's
+    summation order is the only difference), the final model within 1e-4; full fine-tuning with ``keep_best``
+    restoring each process's shards of a non-final step (the worst evaluation is made "best", as
+    ``test_checkpoint_resumes_to_the_identical_next_step`` does); LoRA merged on the unsharded copy, then the fine-tune
+    stage resumed from its step-2 checkpoint under FSDP bitwise equal to the uninterrupted FSDP run."""
+    if keep_best:
+        monkeypatch.setattr(BestKeeper, "score", staticmethod(lambda metrics: metrics["ppl"]))
+    one_process_run(tmp_path / "one", method, keep_best)
+    config = two_process_config(tmp_path)
+    sets = ["--set", f"fine_tune.method={method}", "--set", "train.save_every=2", "--set", "train.keep_checkpoints=0"]
+    if keep_best:
+        sets += ["--set", "train.keep_best=true", "--set", "train.eval_every=1"]
+    best_env = {"HFAB_TEST_BEST_IS_HIGHEST_PPL": "1" if keep_best else "0"}
+    launcher = ROOT / "tests" / "fsdp_on_cpu.py"
+    launch_two_cpu_processes(launcher, config, tmp_path / "fsdp", *sets, env=best_env)
+    assert json.loads((tmp_path / "fsdp" / "log.jsonl").read_text().splitlines()[0])["launch"]["distributed"] == \
+        "DistributedType.FSDP"
+    assert_same_curve(tmp_path / "one", tmp_path / "fsdp", rel=1e-5)
+    one_summary = json.loads((tmp_path / "one" / "summary.json").read_text())
+    fsdp_summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
+    if keep_best:
+        assert one_summary["fine_tune"]["kept_best"]["step"] == fsdp_summary["fine_tune"]["kept_best"]["step"] < 3
+    torch.testing.assert_close(torch.load(tmp_path / "fsdp" / "probe.pt")["output"],
+                               torch.load(tmp_path / "one" / "probe.pt")["output"], rtol=1e-4, atol=1e-5)
+    if not keep_best:
+        again = tmp_path / "resumed"
+        shutil.copytree(tmp_path / "fsdp", again)
+        launch_two_cpu_processes(launcher, config, again, *sets, "--resume",
+                                 str(again / "checkpoints" / "fine_tune-000002"), env=best_env)
+        assert comparable(read_csv(again / "log.csv")) == comparable(read_csv(tmp_path / "fsdp" / "log.csv"))
+        assert torch.equal(torch.load(again / "probe.pt")["output"], torch.load(tmp_path / "fsdp" / "probe.pt")["output"])
 
 
 def _write_log(path: Path, rows: list) -> Path:
