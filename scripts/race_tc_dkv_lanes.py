@@ -6,48 +6,11 @@ float64 values, T / tf32 halves replaced by exact splits: only indexing is check
 Run: python scripts/race_tc_dkv_lanes.py (CPU, a few seconds)."""
 import numpy as np
 
+from mma_lanes import G, LANES, TT, ld32, mma1688, mma16816  # noqa: F401
+
 rng = np.random.default_rng(0)
 kC = kS = 64
 kT = kC + 8
-LANES = np.arange(32)
-G, TT = LANES // 4, LANES % 4
-
-
-def mma16816(acc, a, b):
-    """acc (32, 4) += A B; a: 4 regs (32, 2) [low, high], b: 2 regs (32, 2)."""
-    A = np.zeros((16, 16))
-    B = np.zeros((16, 8))
-    for lane in range(32):
-        g, t = lane // 4, lane % 4
-        for j in range(2):
-            A[g, 2 * t + j] = a[0][lane, j]
-            A[g + 8, 2 * t + j] = a[1][lane, j]
-            A[g, 2 * t + 8 + j] = a[2][lane, j]
-            A[g + 8, 2 * t + 8 + j] = a[3][lane, j]
-            B[2 * t + j, g] = b[0][lane, j]
-            B[2 * t + 8 + j, g] = b[1][lane, j]
-    Dm = A @ B
-    for lane in range(32):
-        g, t = lane // 4, lane % 4
-        acc[lane] += [Dm[g, 2 * t], Dm[g, 2 * t + 1], Dm[g + 8, 2 * t], Dm[g + 8, 2 * t + 1]]
-
-
-def mma1688(acc, a, b):
-    A = np.zeros((16, 8))
-    B = np.zeros((8, 8))
-    for lane in range(32):
-        g, t = lane // 4, lane % 4
-        A[g, t], A[g + 8, t], A[g, t + 4], A[g + 8, t + 4] = a[0][lane], a[1][lane], a[2][lane], a[3][lane]
-        B[t, g], B[t + 4, g] = b[0][lane], b[1][lane]
-    Dm = A @ B
-    for lane in range(32):
-        g, t = lane // 4, lane % 4
-        acc[lane] += [Dm[g, 2 * t], Dm[g, 2 * t + 1], Dm[g + 8, 2 * t], Dm[g + 8, 2 * t + 1]]
-
-
-def ld32(tile, idx):
-    """(32, 2): the pairs at flat indices idx (32,) of a flat tile."""
-    return np.stack([tile[idx], tile[idx + 1]], 1)
 
 
 def c_to_dense(accs, ncols):

@@ -11,6 +11,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "common/strides.cuh"
@@ -113,6 +115,25 @@ inline int compute_capability_major(const c10::Device& device) {
   int major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device.index()));
   return major;
+}
+
+// Dynamic shared memory one block may opt in to on `device`, in bytes.
+inline int shared_memory_limit(const c10::Device& device) {
+  int limit = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
+  return limit;
+}
+
+inline int multiprocessor_count(const c10::Device& device) {
+  int count = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device.index()));
+  return count;
+}
+
+// Whether environment variable `name` is set to `value` (the kernels' A/B switches).
+inline bool env_is(const char* name, const char* value) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::string(env) == value;
 }
 
 }  // namespace hfab

@@ -52,6 +52,33 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
   return r;
 }
 
+// x in two tf32 halves by truncation: hi = x's top 11 significand bits, lo = the top 11 of x - hi (exact in fp32),
+// so |x - hi - lo| < 2^-20 |x|. Three instructions (LOP3, FADD, LOP3) where two cvt.rna.tf32 cost nine on sm_90.
+__device__ __forceinline__ void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
+  constexpr uint32_t kTf32Bits = 0xffffe000u;  // sign, exponent, 10 mantissa bits
+  hi = __float_as_uint(x) & kTf32Bits;
+  lo = __float_as_uint(x - __uint_as_float(hi)) & kTf32Bits;
+}
+
+// acc += a b with both operands in two tf32 halves: hi hi + hi lo + lo hi (fp32-accurate products).
+__device__ __forceinline__ void mma_tf32x3(float (&acc)[4], const uint32_t (&ahi)[4], const uint32_t (&alo)[4],
+                                           const uint32_t (&bhi)[2], const uint32_t (&blo)[2]) {
+  m16n8k8_tf32(acc, ahi, bhi);
+  m16n8k8_tf32(acc, ahi, blo);
+  m16n8k8_tf32(acc, alo, bhi);
+}
+
+// Sum and max over the four lanes of a quad (the lanes holding one row of an mma C fragment).
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
 // Two values rounded to T and packed: `lo` in the low 16 bits (the lower column index).
 template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
 template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {

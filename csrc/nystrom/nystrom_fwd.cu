@@ -2,10 +2,35 @@
 #include <torch/library.h>
 
 #include "nystrom/nystrom_host.cuh"
+#include "nystrom/nystrom_tc_kernels.cuh"
 
 namespace hfab {
 namespace nystrom {
 namespace {
+
+// The output kernel on tensor cores (nystrom_tc_kernels.cuh) where the GPU has the shared memory for this buffer
+// (every case on sm_90; sm_80 lacks it at D = 128 with more than 64 landmarks); otherwise, or with
+// HFAB_NYSTROM_TC_FORWARD=0 (for comparison and testing), on CUDA cores (nystrom_out_fwd_kernel).
+template <typename T, int D>
+void launch_output(const Inputs& in, const c10::Device& device, cudaStream_t stream) {
+  static const bool tensor_cores = !env_is("HFAB_NYSTROM_TC_FORWARD", "0");  // read once per process
+  const int bytes = tc::OutSmem<D>::bytes(in.p.slots);
+  if (tensor_cores && bytes <= shared_memory_limit(device)) {
+    // blocks stage their head's buffer once and take every gridDim.x-th query tile: about 4 blocks per SM in all
+    const int64_t tiles = div_up(in.n, tc::kBQ);
+    const int64_t per_head =
+        std::min(tiles, std::max<int64_t>(1, div_up(4 * multiprocessor_count(device), in.batch * in.hq)));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(tc::nystrom_out_tc_fwd_kernel<T, D>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    const dim3 grid(static_cast<unsigned>(per_head), static_cast<unsigned>(in.hq), static_cast<unsigned>(in.batch));
+    tc::nystrom_out_tc_fwd_kernel<T, D><<<grid, tc::kThreads, bytes, stream>>>(in.p);
+  } else {
+    const dim3 grid(static_cast<unsigned>(div_up(in.n, OutTiles<D>::BQ)), static_cast<unsigned>(in.hq),
+                    static_cast<unsigned>(in.batch));
+    nystrom_out_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(in.p);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 at::Tensor nystrom_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& conv_weight,
@@ -24,10 +49,7 @@ at::Tensor nystrom_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::
     State st = landmark_state<T, D>(in, stream);
     finish_state<D>(in, st, st.nystrom ? k3_values<T, D>(in, stream) : at::Tensor(), false, stream);
     in.p.out = out.data_ptr();
-    const dim3 grid(static_cast<unsigned>(div_up(in.n, OutTiles<D>::BQ)), static_cast<unsigned>(in.hq),
-                    static_cast<unsigned>(in.batch));
-    nystrom_out_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(in.p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_output<T, D>(in, q.device(), stream);
   });  // st's buffers live until the output kernel is queued; the caching allocator orders their reuse
   return out;
 }

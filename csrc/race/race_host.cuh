@@ -117,12 +117,6 @@ void dispatch(const at::Tensor& q, Fn&& fn) {
   else by_dim(Tag<float>{});
 }
 
-inline int shared_memory_limit(const c10::Device& device) {
-  int limit = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device.index()));
-  return limit;
-}
-
 // Launch `kernel` with `threads` threads and `bytes` of dynamic shared memory, raising a clear error if the
 // GPU has too little.
 template <typename Kernel>
@@ -164,11 +158,6 @@ inline bool tc_forward_applies(const at::Tensor& q, const Params& p, const c10::
 // features its dbeta partials were 2.5x over the tests' bound (issue 6, csrc/race/NOTES.md).
 // HFAB_RACE_TC_BACKWARD=0 selects the whole CUDA-core backward (race_dq_bwd_kernel, race_dkv_bwd_kernel) instead,
 // for comparison and testing.
-inline bool env_is(const char* name, const char* value) {
-  const char* env = std::getenv(name);
-  return env != nullptr && std::string(env) == value;
-}
-
 inline bool tensor_core_backward_enabled() {
   static const bool enabled = !env_is("HFAB_RACE_TC_BACKWARD", "0");  // read once per process
   return enabled;

@@ -71,28 +71,12 @@ __device__ __forceinline__ float phi_at(const Params& p, const float* sp, const 
   return val;
 }
 
-// x in two tf32 halves by truncation: hi = x's top 11 significand bits, lo = the top 11 of x - hi (exact in fp32),
-// so |x - hi - lo| < 2^-20 |x|. Three instructions (LOP3, FADD, LOP3) where two cvt.rna.tf32 cost nine on sm_90.
-__device__ __forceinline__ void tf32_split(float x, uint32_t& hi, uint32_t& lo) {
-  constexpr uint32_t kTf32Bits = 0xffffe000u;  // sign, exponent, 10 mantissa bits
-  hi = __float_as_uint(x) & kTf32Bits;
-  lo = __float_as_uint(x - __uint_as_float(hi)) & kTf32Bits;
-}
-
-// acc += a b with both operands in two tf32 halves: hi hi + hi lo + lo hi (fp32-accurate products).
-__device__ __forceinline__ void mma_tf32x3(float (&acc)[4], const uint32_t (&ahi)[4], const uint32_t (&alo)[4],
-                                           const uint32_t (&bhi)[2], const uint32_t (&blo)[2]) {
-  mma::m16n8k8_tf32(acc, ahi, bhi);
-  mma::m16n8k8_tf32(acc, ahi, blo);
-  mma::m16n8k8_tf32(acc, alo, bhi);
-}
-
 // tf32 B fragment (two halves) of the fp32 state tile st [feature][D + 8]: k = features 8 kk.., n = columns 8 n..
 __device__ __forceinline__ void state_frag(const float* st, int kX, int kk, int n, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const float* col = st + (kk * 8 + t) * kX + n * 8 + g;
-  tf32_split(col[0], hi[0], lo[0]);
-  tf32_split(col[4 * kX], hi[1], lo[1]);
+  mma::tf32_split(col[0], hi[0], lo[0]);
+  mma::tf32_split(col[4 * kX], hi[1], lo[1]);
 }
 
 // tf32 A fragment (two halves) of phi(row) * scale[row] (fp32 from the sigma tables) for k-step kk. ROWS_M: m = rows
@@ -108,7 +92,7 @@ __device__ __forceinline__ void phi_frag(const Params& p, const float* sp, const
     float val = 0.f;
     if (f < p.features && (ok == nullptr || ok[row]))
       val = phi_at(p, sp, sm, row, f) * (scale == nullptr ? 1.f : scale[row]);
-    tf32_split(val, hi[r], lo[r]);
+    mma::tf32_split(val, hi[r], lo[r]);
   }
 }
 
@@ -122,7 +106,7 @@ __device__ __forceinline__ void phi_frag_tile(const float* phi32, const float* s
   for (int r = 0; r < 4; ++r) {  // A register r: m g + 8 (r % 2), k t + 4 (r / 2)
     const int mi = m0 + g + 8 * (r % 2), ki = kk * 8 + t + 4 * (r / 2);
     const int row = ROWS_M ? mi : ki, f = ROWS_M ? ki : mi;
-    tf32_split(phi32[row * (kS + 1) + f] * (scale == nullptr ? 1.f : scale[row]), hi[r], lo[r]);
+    mma::tf32_split(phi32[row * (kS + 1) + f] * (scale == nullptr ? 1.f : scale[row]), hi[r], lo[r]);
   }
 }
 
@@ -142,8 +126,8 @@ __device__ __forceinline__ void rows_times_state(const T* rows, const float* st,
       if (n >= nf) continue;
       const float* row = st + (n * 8 + g) * kX + kk * 8 + t;
       uint32_t hi[2], lo[2];
-      tf32_split(row[0], hi[0], lo[0]);
-      tf32_split(row[4], hi[1], lo[1]);
+      mma::tf32_split(row[0], hi[0], lo[0]);
+      mma::tf32_split(row[4], hi[1], lo[1]);
       mma::m16n8k8_tf32(acc[n], a, hi);
       mma::m16n8k8_tf32(acc[n], a, lo);
     }
@@ -319,16 +303,16 @@ __device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>
     for (int n = 0; n < kN; ++n) {
       uint32_t bhi[2], blo[2];
       state_frag(s.st, kX, kk, n, bhi, blo);
-      mma_tf32x3(acc[n], qhi, qlo, bhi, blo);
+      mma::mma_tf32x3(acc[n], qhi, qlo, bhi, blo);
     }
     if (!intra) continue;
 #pragma unroll
     for (int n = 0; n < kC / 8; ++n) {  // B register e: feature kk * 8 + t + 4 e, key n * 8 + g
       const T* k0 = s.pkt + (kk * 8 + t) * kT + n * 8 + g;
       uint32_t bhi[2], blo[2];
-      tf32_split(to_float(k0[0]) + to_float(k0[kS * kT]), bhi[0], blo[0]);
-      tf32_split(to_float(k0[4 * kT]) + to_float(k0[(kS + 4) * kT]), bhi[1], blo[1]);
-      mma_tf32x3(sc[n], qhi, qlo, bhi, blo);
+      mma::tf32_split(to_float(k0[0]) + to_float(k0[kS * kT]), bhi[0], blo[0]);
+      mma::tf32_split(to_float(k0[4 * kT]) + to_float(k0[(kS + 4) * kT]), bhi[1], blo[1]);
+      mma::mma_tf32x3(sc[n], qhi, qlo, bhi, blo);
     }
   }
   if (intra) masked_scores_times_v<T, D>(s, sc, acc);
@@ -527,8 +511,8 @@ __device__ __forceinline__ void query_state_delta(const Params& p, const Tiles<T
       mma::m16n8k8_tf32(acc[n], alo, b);
     }
     uint32_t chi[2], clo[2];
-    tf32_split(kt.chat[kk * 8 + t], chi[0], clo[0]);
-    tf32_split(kt.chat[kk * 8 + t + 4], chi[1], clo[1]);
+    mma::tf32_split(kt.chat[kk * 8 + t], chi[0], clo[0]);
+    mma::tf32_split(kt.chat[kk * 8 + t + 4], chi[1], clo[1]);
     const uint32_t b[2] = {g == 0 ? chi[0] : g == 1 ? clo[0] : 0u, g == 0 ? chi[1] : g == 1 ? clo[1] : 0u};
     mma::m16n8k8_tf32(acc[D / 8], ahi, b);
     mma::m16n8k8_tf32(acc[D / 8], alo, b);
@@ -625,7 +609,7 @@ __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_
       for (int n = 0; n < D / 8; ++n) {
         uint32_t bhi[2], blo[2];
         state_frag(s.st, kX, kk, n, bhi, blo);
-        mma_tf32x3(dv[n], khi, klo, bhi, blo);
+        mma::mma_tf32x3(dv[n], khi, klo, bhi, blo);
       }
     }
     T* out = static_cast<T*>(p.dv);

@@ -189,16 +189,6 @@ __device__ __forceinline__ void mma_xb(float (&acc)[D / 8][4], const float (&x)[
   }
 }
 
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-
 __device__ __forceinline__ bool key_ok(const Params& p, int b, int j) {
   return j < p.nk && (p.kpm == nullptr || p.kpm[b * p.kpm_sb + j * p.kpm_sn]);
 }
@@ -334,9 +324,9 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
   float lam[2], neg_m[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    m[r] = quad_max(m[r]) * scale;
-    cnt[r] = quad_sum(cnt[r]);
-    sum[r] = quad_sum(sum[r]) * scale;
+    m[r] = mma::quad_max(m[r]) * scale;
+    cnt[r] = mma::quad_sum(cnt[r]);
+    sum[r] = mma::quad_sum(sum[r]) * scale;
     if (cnt[r] == 0.f) m[r] = 0.f;  // empty row: every pair is masked, every y is +inf
     neg_m[r] = -m[r];
     lam[r] = cnt[r] > 0.f ? fmaxf(1.f, exp2f(__log2f(cnt[r]) * inv_order) + (sum[r] / cnt[r] - m[r])) : 1.f;
@@ -357,8 +347,8 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
     });
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      f[r] = quad_sum(f[r]);
-      s1[r] = quad_sum(s1[r]);
+      f[r] = mma::quad_sum(f[r]);
+      s1[r] = mma::quad_sum(s1[r]);
       if (cnt[r] > 0.f) lam[r] = fmaxf(1.f, lam[r] + f[r] * (exp2f(__log2f(f[r]) * inv_order) - 1.f) / s1[r]);
     }
   }
@@ -381,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
 
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l[r] = quad_sum(l[r]);
+    l[r] = mma::quad_sum(l[r]);
     const int i = r0 + g + 8 * r;
     if (i >= p.nq) continue;
     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
@@ -486,9 +476,9 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
   float delta[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    sr[r] = quad_sum(sr[r]);
-    sdr[r] = quad_sum(sdr[r]);
-    sp[r] = quad_sum(sp[r]);
+    sr[r] = mma::quad_sum(sr[r]);
+    sdr[r] = mma::quad_sum(sdr[r]);
+    sp[r] = mma::quad_sum(sp[r]);
     delta[r] = sr[r] > 0.f ? sdr[r] / sr[r] : 0.f;
     const int i = r0 + g + 8 * r;
     if (i < p.nq && lane % 4 == 0) {

@@ -8,6 +8,11 @@ the condition number of K2, and two fp32 computations in different orders get di
 Outputs are allocated into NaN-poisoned memory so an element a kernel forgets to write fails the test.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -22,6 +27,7 @@ from tests.tolerance import assert_close_to_oracle
 pytestmark = pytest.mark.cuda
 
 DEV = "cuda"
+ROOT = Path(__file__).resolve().parents[2]
 FACTOR = 3.0
 FLOOR = 1e-5  # fp32 residue where the exact value is 0 (e.g. dk of a single real key)
 
@@ -148,6 +154,50 @@ def test_input_scales_no_nan(mult, dtype):
     q, k, v = make_inputs(2, 4, 2, 333, 333, 64, dtype=dtype, scale=mult)
     mask = make_padding(2, 333, min_real=100, seed=5).to(DEV)
     check(q, k, v, m=32, mask=mask, conv=make_conv(4, 3, dtype))
+
+
+def test_blocks_take_several_query_tiles():
+    """The tensor-core output kernel runs about 4 blocks per SM over all heads, each taking every gridDim.x-th query tile
+    of its head: with 64 heads and 17 tiles per head, blocks take one or two tiles (the next tile's rows load while
+    the current one computes)."""
+    q, k, v = make_inputs(4, 16, 4, 2049, 2049, 64, seed=3)
+    mask = make_padding(4, 2049, min_real=1500, seed=3).to(DEV)
+    check(q, k, v, m=64, mask=mask, conv=make_conv(16, 3, q.dtype))
+
+
+def output_kernel_cases():
+    """Outputs of hfab::nystrom_fwd over the buffer sizes and head dims the tensor-core output kernel stages (slots
+    up to 128, D 32 / 64 / 128), with padding, conv and GQA; each with its inputs."""
+    cases = []
+    for n, m, d, dtype in [(333, 128, 128, torch.float16), (1000, 64, 128, torch.bfloat16), (700, 100, 64, torch.float16),
+                           (129, 7, 32, torch.bfloat16), (50, 64, 64, torch.float16)]:
+        q, k, v = make_inputs(2, 4, 2, n, n, d, dtype=dtype, seed=n)
+        mask = make_padding(2, n, min_real=min(n, 40), seed=d).to(DEV)
+        conv = make_conv(4, 3, dtype)
+        out = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, m, 6, 0.0, d ** -0.5)
+        cases.append([t.cpu() for t in (q, k, v, conv, mask, out)] + [m])
+    return cases
+
+
+def test_cuda_core_and_tensor_core_output_kernels_both_match_the_oracle(tmp_path):
+    """By default the forward's output runs on tensor cores where the GPU has the shared memory for the buffer;
+    HFAB_NYSTROM_TC_FORWARD=0 (read once per process, hence a subprocess) selects the CUDA-core kernel, which GPUs
+    with less shared memory run. Both within the tolerance rule of the float64 reference."""
+    path = tmp_path / "cuda_cores.pt"
+    script = (f"import torch; from tests.ops.test_nystrom_cuda import output_kernel_cases; "
+              f"torch.save(output_kernel_cases(), {str(path)!r})")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "HFAB_NYSTROM_TC_FORWARD": "0"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for case, (cuda_cores, tensor_cores) in enumerate(zip(torch.load(path), output_kernel_cases())):
+        q, k, v, conv, mask, _, m = [t.to(DEV) if isinstance(t, torch.Tensor) else t for t in tensor_cores]
+        hyper = dict(m=m, iters=6, kappa=0.0, mask=mask, scale=q.shape[-1] ** -0.5)
+        dout = torch.zeros_like(q)
+        out64, _ = reference_run(q.double(), k.double(), v.double(), conv.double(), dout.double(), **hyper)
+        out_ref, _ = reference_run(q, k, v, conv, dout, **hyper)
+        for name, out in (("tensor cores", tensor_cores[5]), ("CUDA cores", cuda_cores[5])):
+            assert_close_to_oracle(out.to(DEV), out64, baseline=out_ref, factor=FACTOR, floor=FLOOR,
+                                   name=f"case {case} {name}")
 
 
 def test_deterministic_forward():

@@ -1,0 +1,246 @@
+// Nyström output on tensor cores (mma.sync, sm_80+): out = softmax(q_s keysᵀ) values + conv residual over the
+// key/value buffer of nystrom_kernels.cuh (slots <= 128 fp32 rows per (batch, q head); keys carry √scale).
+//
+// nystrom_out_tc_fwd_kernel: grid (blocks per head, Hq, B), 256 threads = 8 warps, each warp owns 16 rows of a
+// 128-row query tile. A block stages its head's buffer once in shared memory and then takes query tiles
+// blockIdx.x, blockIdx.x + gridDim.x, ...: the query tile's A fragments go to registers, after which the next tile's
+// rows load (cp.async) into the same shared tile while this one computes. Per 64-row chunk of the buffer, an online
+// softmax step (exact for slots <= 64: one chunk).
+// Precision: S = q keysᵀ with q exact in T and keys as a T high part plus a T residual (two mma, ~2^-16 relative
+// for bf16); P values with P and the fp32 values each in two tf32 halves (three m16n8k8 mma: fp32-accurate), because
+// W = Z (K3 v) can exceed |out| 50-fold (an ill-conditioned K2) and exceed fp16's range.
+#pragma once
+
+#include <cstdint>
+
+#include "common/mma.cuh"
+#include "nystrom/nystrom_kernels.cuh"
+
+namespace hfab {
+namespace nystrom {
+namespace tc {
+
+constexpr int kWarps = 8, kThreads = 32 * kWarps, kBQ = 16 * kWarps;
+constexpr int kChunk = 64;  // buffer rows per online-softmax step
+
+// Dynamic shared memory for a buffer of `slots` rows (padded to 16):
+//   khi, klo [rows][D + 8] T     keys as a 16-bit high part and residual (ldmatrix rows 16-byte aligned)
+//   vals     [rows][D + 4] fp32  (tf32 B fragments: lanes (t, g) read rows 2t, 2t + 1, column g: conflict-free)
+//   q        [kBQ][D + 8] T      the query tile
+template <int D> struct OutSmem {
+  static constexpr int kKey = D + 8, kVal = D + 4;
+  static __host__ __device__ int rows(int slots) { return (slots + 15) / 16 * 16; }
+  static __host__ __device__ int bytes(int slots) {
+    return 2 * rows(slots) * kKey * 2 + rows(slots) * kVal * 4 + kBQ * kKey * 2;
+  }
+};
+
+// Two fp32 values as packed T high parts and packed T residuals.
+template <typename T>
+__device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = Pair<T>::from_float2(make_float2(x0, x1));
+  const float2 back = Pair<T>::to_float2(hi);
+  lo = Pair<T>::from_float2(make_float2(x0 - back.x, x1 - back.y));
+}
+
+// The first `nvalid` buffer rows into shared memory (keys split, values as they are), zeros up to `rows`.
+template <typename T, int D>
+__device__ __forceinline__ void stage_buffer(const float* keys, const float* vals, int nvalid, int rows, uint16_t* khi,
+                                             uint16_t* klo, float* vs) {
+  using S = OutSmem<D>;
+  constexpr int kQuads = D / 4;
+  for (int c = threadIdx.x; c < rows * kQuads; c += kThreads) {
+    const int r = c / kQuads, d = 4 * (c % kQuads);
+    float4 k4 = make_float4(0.f, 0.f, 0.f, 0.f), v4 = k4;
+    if (r < nvalid) {
+      k4 = __ldg(reinterpret_cast<const float4*>(keys + r * D + d));
+      v4 = __ldg(reinterpret_cast<const float4*>(vals + r * D + d));
+    }
+    uint2 hi, lo;
+    split_pair<T>(k4.x, k4.y, hi.x, lo.x);
+    split_pair<T>(k4.z, k4.w, hi.y, lo.y);
+    *reinterpret_cast<uint2*>(khi + r * S::kKey + d) = hi;
+    *reinterpret_cast<uint2*>(klo + r * S::kKey + d) = lo;
+    *reinterpret_cast<float4*>(vs + r * S::kVal + d) = v4;
+  }
+}
+
+// s (16 x kChunk, C layout) = this warp's query rows (fragments qa) times keys rows [c0, c0 + kChunk)ᵀ, high part
+// plus residual; 16-row n-tile pairs at or past nvalid are skipped (left 0).
+template <typename T, int D>
+__device__ __forceinline__ void chunk_scores(float (&s)[kChunk / 8][4], const uint32_t (&qa)[D / 16][4],
+                                             const uint16_t* khi, const uint16_t* klo, int c0, int nvalid, int lane) {
+  constexpr int kKey = OutSmem<D>::kKey;
+  // matrices: (n-tile 2jj, k 0-7), (2jj, k 8-15), (2jj + 1, k 0-7), (2jj + 1, k 8-15)
+  const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int j = 0; j < kChunk / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+  for (int jj = 0; jj < kChunk / 16; ++jj) {
+    if (c0 + 16 * jj >= nvalid) continue;
+    const int off = (c0 + 16 * jj + brow) * kKey + bcol;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+      uint32_t b[4];
+      mma::ldsm_x4(b, khi + off + 16 * kc);
+      mma::m16n8k16(s[2 * jj], qa[kc], {b[0], b[1]}, T());
+      mma::m16n8k16(s[2 * jj + 1], qa[kc], {b[2], b[3]}, T());
+      mma::ldsm_x4(b, klo + off + 16 * kc);
+      mma::m16n8k16(s[2 * jj], qa[kc], {b[0], b[1]}, T());
+      mma::m16n8k16(s[2 * jj + 1], qa[kc], {b[2], b[3]}, T());
+    }
+  }
+}
+
+// o (16 x D) += p (16 x kChunk, C layout) times value rows [c0, c0 + kChunk), both in two tf32 halves. The k index
+// of each 8-row step is permuted (A column t <-> row 2t, t + 4 <-> 2t + 1) so that p's C registers are the A
+// fragment as they are.
+template <int D>
+__device__ __forceinline__ void chunk_values(float (&o)[D / 8][4], const float (&p)[kChunk / 8][4], const float* vs,
+                                             int c0, int nvalid, int lane) {
+  constexpr int kVal = OutSmem<D>::kVal;
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 8; ++kk) {
+    if (c0 + 8 * kk >= nvalid) continue;
+    uint32_t ahi[4], alo[4];
+    mma::tf32_split(p[kk][0], ahi[0], alo[0]);  // (g, 2t)
+    mma::tf32_split(p[kk][2], ahi[1], alo[1]);  // (g + 8, 2t)
+    mma::tf32_split(p[kk][1], ahi[2], alo[2]);  // (g, 2t + 1)
+    mma::tf32_split(p[kk][3], ahi[3], alo[3]);  // (g + 8, 2t + 1)
+    const float* v0 = vs + (c0 + 8 * kk + 2 * t) * kVal + g;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      uint32_t bhi[2], blo[2];
+      mma::tf32_split(v0[8 * dn], bhi[0], blo[0]);
+      mma::tf32_split(v0[kVal + 8 * dn], bhi[1], blo[1]);
+      mma::mma_tf32x3(o[dn], ahi, alo, bhi, blo);
+    }
+  }
+}
+
+// One online-softmax step over a chunk: scores (raw q.keys) to base-2 probabilities, columns >= nvalid masked;
+// the warp's two rows per lane (g, g + 8) keep running max m and this lane's part of the row sum l; o rescaled.
+template <int D>
+__device__ __forceinline__ void chunk_softmax(float (&s)[kChunk / 8][4], float (&m)[2], float (&l)[2],
+                                              float (&o)[D / 8][4], int c0, int nvalid, float scale_log2, int lane) {
+  const int t = lane % 4;
+  float cmax[2] = {-inf(), -inf()};
+#pragma unroll
+  for (int j = 0; j < kChunk / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = c0 + 8 * j + 2 * t + (e & 1) < nvalid ? s[j][e] * scale_log2 : -inf();
+      s[j][e] = x;
+      cmax[e >> 1] = fmaxf(cmax[e >> 1], x);
+    }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = fmaxf(m[r], mma::quad_max(cmax[r]));  // finite: the chunk has a valid column
+    const float alpha = exp2f(m[r] - m_new);                   // 0 at the first chunk (m = -inf)
+    m[r] = m_new;
+    l[r] *= alpha;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      o[dn][2 * r] *= alpha;
+      o[dn][2 * r + 1] *= alpha;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kChunk / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float pe = exp2f(s[j][e] - m[e >> 1]);
+      l[e >> 1] += pe;
+      s[j][e] = pe;
+    }
+}
+
+// Rows row0 and row0 + 8 of the output (lane's columns 8 dn + 2t, + 1): o / Σp plus the conv residual, in T.
+template <typename T, int D>
+__device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D / 8][4], const float (&l)[2], int row0,
+                                           int b, int h, const T* v, int lane) {
+  const int t = lane % 4, half = p.ks / 2;
+  const long long bh = (long long)b * p.hq + h;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum = mma::quad_sum(l[r]);  // every lane: a shuffle
+    const int row = row0 + 8 * r;
+    if (row >= p.n) continue;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    float2 res[D / 8];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) res[dn] = make_float2(o[dn][2 * r] * inv, o[dn][2 * r + 1] * inv);
+    if (p.conv != nullptr) {
+      for (int tap = 0; tap < p.ks; ++tap) {
+        const int j = row + tap - half;
+        if (j < 0 || j >= p.n || (p.mask != nullptr && !p.mask[b * p.mask_stride + j])) continue;
+        const float w = p.conv[h * p.ks + tap];
+        const unsigned* vrow = reinterpret_cast<const unsigned*>(v + j * p.sv.n);
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+          const float2 x = Pair<T>::to_float2(vrow[4 * dn + t]);
+          res[dn].x = fmaf(w, x.x, res[dn].x);
+          res[dn].y = fmaf(w, x.y, res[dn].y);
+        }
+      }
+    }
+    unsigned* dst = reinterpret_cast<unsigned*>(static_cast<T*>(p.out) + (bh * p.n + row) * D);
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) dst[4 * dn + t] = Pair<T>::from_float2(res[dn]);
+  }
+}
+
+// Grid (blocks per head, Hq, B); dynamic shared memory OutSmem<D>::bytes(p.slots).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_out_tc_fwd_kernel(const Params p) {
+  using S = OutSmem<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tiles = (p.n + kBQ - 1) / kBQ;
+  int tile = blockIdx.x;
+  if (tile >= tiles) return;
+  const int h = blockIdx.y, b = blockIdx.z, g = h / p.groups;
+  const long long bh = (long long)b * p.hq + h;
+  const int nvalid = p.nvalid[b], rows = S::rows(p.slots);
+  uint16_t* khi = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* klo = khi + rows * S::kKey;
+  float* vs = reinterpret_cast<float*>(klo + rows * S::kKey);
+  uint16_t* qs = reinterpret_cast<uint16_t*>(vs + rows * S::kVal);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
+  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h;
+  const int n = p.n;
+  auto load_q = [&](int t0) {
+    mma::load_rows_async<kBQ, D, kThreads>(qs, q, p.sq.n, t0 * kBQ, [=](int r) { return t0 * kBQ + r < n; });
+  };
+  load_q(tile);
+  stage_buffer<T, D>(p.keys + bh * p.slots * D, p.vals + bh * p.slots * D, nvalid, rows, khi, klo, vs);
+  const float scale_log2 = p.root * kLog2e;  // keys carry √scale, q not yet
+  // A fragments: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
+  const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
+  for (; tile < tiles; tile += gridDim.x) {
+    mma::cp_async_wait_all();
+    __syncthreads();  // the query tile (and, at the first, the buffer) is in shared memory
+    uint32_t qa[D / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) mma::ldsm_x4(qa[kc], qs + arow * S::kKey + 16 * kc + acol);
+    __syncthreads();  // every warp holds its fragments: the tile may be overwritten
+    if (tile + gridDim.x < tiles) load_q(tile + gridDim.x);
+
+    float m[2] = {-inf(), -inf()}, l[2] = {0.f, 0.f};
+    float o[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
+    for (int c0 = 0; c0 < nvalid; c0 += kChunk) {
+      float s[kChunk / 8][4];
+      chunk_scores<T, D>(s, qa, khi, klo, c0, nvalid, lane);
+      chunk_softmax<D>(s, m, l, o, c0, nvalid, scale_log2, lane);
+      chunk_values<D>(o, s, vs, c0, nvalid, lane);
+    }
+    store_rows<T, D>(p, o, l, tile * kBQ + 16 * warp + lane / 4, b, h, v, lane);
+  }
+}
+
+}  // namespace tc
+}  // namespace nystrom
+}  // namespace hfab
