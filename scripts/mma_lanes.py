@@ -53,3 +53,13 @@ def ldsm_x4(tile, addr):
         rows = np.stack([tile[addr[8 * i + r]: addr[8 * i + r] + 8] for r in range(8)])  # (8, 8)
         regs.append(np.stack([rows[G, 2 * TT], rows[G, 2 * TT + 1]], 1))
     return regs
+
+
+def ldsm_x4_trans(tile, addr):
+    """ldmatrix.x4.trans: as ldsm_x4 with each 8 x 8 matrix transposed (register i = matrix i's (row 2 (lane % 4) +
+    {0, 1}, column lane // 4))."""
+    regs = []
+    for i in range(4):
+        rows = np.stack([tile[addr[8 * i + r]: addr[8 * i + r] + 8] for r in range(8)])
+        regs.append(np.stack([rows[2 * TT, G], rows[2 * TT + 1, G]], 1))
+    return regs

@@ -1,7 +1,11 @@
-"""Lane-level emulation of the tensor-core Nyström output kernel (csrc/nystrom/nystrom_tc_kernels.cuh): the query
-fragments by ldmatrix, chunk_scores (keys high part + residual by ldmatrix), chunk_softmax (online over 64-row
-chunks, columns >= nvalid masked), chunk_values (p's C registers as the tf32 A fragment with the k index permuted,
-value B fragments from rows 2t, 2t + 1) and store_rows' columns, against the dense softmax(q keysᵀ scale) vals.
+"""Lane-level emulation of the tensor-core Nyström kernels (csrc/nystrom/nystrom_tc_kernels.cuh).
+
+Output kernel: the query fragments by ldmatrix, chunk_scores (keys high part + residual by ldmatrix), chunk_softmax
+(online over 64-row chunks, columns >= nvalid masked), chunk_values (p's C registers as the tf32 A fragment with the
+k index permuted, value B fragments from rows 2t, 2t + 1) and store_rows' columns, against the dense
+softmax(q keysᵀ scale) vals. K3 kernel: landmark_frags, key tiles by ldmatrix, the bias of padded keys, the online
+softmax with fully masked tiles, P's C registers as the A fragment and v by ldmatrix.trans, the partial (max, sum,
+acc), against the dense partial over the split's real keys.
 
 Two modes: exact (float64 values, splits exact: checks only the indexing, errors ~1e-15 when right) and rounded
 (q and the key halves rounded to fp16 / bf16, tf32 halves by truncation as mma::tf32_split, fp32 accumulation not
@@ -10,7 +14,7 @@ Run: python scripts/nystrom_tc_out_lanes.py (CPU, about a minute)."""
 import numpy as np
 import torch
 
-from mma_lanes import G, TT, ldsm_x4, mma1688, mma16816
+from mma_lanes import G, TT, ldsm_x4, ldsm_x4_trans, mma1688, mma16816
 
 kWarps, kBQ, kChunk = 8, 128, 64
 
@@ -135,6 +139,114 @@ def case(D, slots, nvalid, dtype, amplify, seed):
     return err, out_rounding
 
 
+def emulate_k3(land, k, v, real, scale_log2, dtype):
+    """land (64, D) one block's landmarks; k, v (n, D) the split's keys; real (n,) bool. dtype None: exact.
+    Returns the partial (max (64,), sum (64,), acc (64, D)) as the kernel writes it."""
+    n, D = k.shape
+    kRow, keys_per_tile = D + 8, 64
+    if dtype is None:
+        lhi, llo = land, np.zeros_like(land)
+        ksr, vsr = k, v
+        psplit = lambda x: (x, 0.0 * x)
+    else:
+        lhi = round_to(land, dtype)
+        llo = round_to(land - lhi, dtype)
+        ksr, vsr = round_to(k, dtype), round_to(v, dtype)
+        psplit = lambda x: (round_to(x, dtype), round_to(x - round_to(x, dtype), dtype))
+    pmax, psum, pacc = np.zeros(64), np.zeros(64), np.zeros((64, D))
+    lane = np.arange(32)
+    for warp in range(4):
+        ahi, alo = [], []
+        for kc in range(D // 16):
+            regs_hi, regs_lo = [], []
+            for e in range(4):
+                row = 16 * warp + G + 8 * (e & 1)
+                col = 16 * kc + 2 * TT + 8 * (e >> 1)
+                regs_hi.append(np.stack([lhi[row, col], lhi[row, col + 1]], 1))
+                regs_lo.append(np.stack([llo[row, col], llo[row, col + 1]], 1))
+            ahi.append(regs_hi)
+            alo.append(regs_lo)
+        m = np.full((32, 2), -np.inf)
+        l = np.zeros((32, 2))
+        o = [np.zeros((32, 4)) for _ in range(D // 8)]
+        brow, bcol = (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8
+        vrow, vcol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
+        for k0 in range(0, n, keys_per_tile):
+            kt = np.zeros((keys_per_tile, kRow))
+            vt = np.zeros((keys_per_tile, kRow))
+            count = min(keys_per_tile, n - k0)
+            kt[:count, :D], vt[:count, :D] = ksr[k0:k0 + count], vsr[k0:k0 + count]
+            kt, vt = kt.ravel(), vt.ravel()
+            bias = np.full(keys_per_tile, -np.inf)
+            bias[:count] = np.where(real[k0:k0 + count], 0.0, -np.inf)
+            s = [np.zeros((32, 4)) for _ in range(keys_per_tile // 8)]
+            for jj in range(keys_per_tile // 16):
+                for kc in range(D // 16):
+                    bf = ldsm_x4(kt, (16 * jj + brow) * kRow + 16 * kc + bcol)
+                    for a in (ahi[kc], alo[kc]):
+                        mma16816(s[2 * jj], a, [bf[0], bf[1]])
+                        mma16816(s[2 * jj + 1], a, [bf[2], bf[3]])
+            cmax = np.full((32, 2), -np.inf)
+            for j in range(keys_per_tile // 8):
+                for e in range(4):
+                    x = s[j][:, e] * scale_log2 + bias[8 * j + 2 * TT + (e & 1)]
+                    s[j][:, e] = x
+                    cmax[:, e >> 1] = np.maximum(cmax[:, e >> 1], x)
+            m_use = np.zeros((32, 2))
+            for r in range(2):
+                m_new = np.maximum(m[:, r], np.repeat(cmax[:, r].reshape(8, 4).max(1), 4))
+                m_use[:, r] = np.where(m_new == -np.inf, 0.0, m_new)
+                alpha = np.exp2(m[:, r] - m_use[:, r])
+                m[:, r] = m_new
+                l[:, r] *= alpha
+                for dn in range(D // 8):
+                    o[dn][:, 2 * r] *= alpha
+                    o[dn][:, 2 * r + 1] *= alpha
+            for kc in range(keys_per_tile // 16):
+                phi, plo = [], []
+                for e in range(4):
+                    x = s[2 * kc + e // 2]
+                    r = e % 2
+                    p0, p1 = np.exp2(x[:, 2 * r] - m_use[:, r]), np.exp2(x[:, 2 * r + 1] - m_use[:, r])
+                    l[:, r] += p0 + p1
+                    (h0, l0), (h1, l1) = psplit(p0), psplit(p1)
+                    phi.append(np.stack([h0, h1], 1))
+                    plo.append(np.stack([l0, l1], 1))
+                for dn in range(D // 16):
+                    bv = ldsm_x4_trans(vt, (16 * kc + vrow) * kRow + 16 * dn + vcol)
+                    for a in (phi, plo):
+                        mma16816(o[2 * dn], a, [bv[0], bv[1]])
+                        mma16816(o[2 * dn + 1], a, [bv[2], bv[3]])
+        for r in range(2):
+            row = 16 * warp + G + 8 * r
+            pmax[row] = m[:, r]
+            psum[row] = np.repeat(l[:, r].reshape(8, 4).sum(1), 4)
+            for dn in range(D // 8):
+                pacc[row, 8 * dn + 2 * TT] = o[dn][:, 2 * r]
+                pacc[row, 8 * dn + 2 * TT + 1] = o[dn][:, 2 * r + 1]
+    return pmax, psum, pacc
+
+
+def k3_case(D, n, real_fraction, dtype, seed):
+    rng = np.random.default_rng(seed)
+    land = rng.standard_normal((64, D)) * D ** -0.25
+    k = rng.standard_normal((n, D))
+    v = rng.standard_normal((n, D))
+    if dtype is not None:
+        k, v = round_to(k, dtype), round_to(v, dtype)
+    real = rng.random(n) < real_fraction
+    real[:64] = False  # the first tile fully masked: the kernel's m_use guard
+    scale_log2 = D ** -0.25 * 1.4426950408889634
+    pmax, psum, pacc = emulate_k3(land, k, v, real, scale_log2, dtype)
+    s = land @ k[real].T * scale_log2
+    want_max = s.max(1)
+    p = np.exp2(s - want_max[:, None])
+    want = p @ v[real] / p.sum(1, keepdims=True)
+    assert np.allclose(pmax, want_max, rtol=1e-5 if dtype else 1e-12, atol=1e-5 if dtype else 1e-12)
+    got = pacc / psum[:, None]
+    return np.abs(got - want).max() / np.abs(want).max()
+
+
 def main():
     for D, slots, nvalid in [(32, 7, 7), (64, 32, 32), (64, 128, 100), (128, 64, 64), (64, 128, 65), (32, 16, 0),
                              (128, 128, 128)]:
@@ -146,6 +258,12 @@ def main():
             err, rounding = case(64, 64, 64, dtype, amplify, 7)
             print(f"rounded {str(dtype):14s} values x{amplify:4.0f}: kernel operands {err:.1e}, "
                   f"output rounding to the dtype {rounding:.1e}")
+    for D, n, frac in [(32, 200, 0.7), (64, 130, 1.0), (128, 100, 0.5)]:
+        err = k3_case(D, n, frac, None, D + n)
+        print(f"K3 exact   D={D:3d} keys={n:3d}: max relative error of acc / sum {err:.1e}")
+        assert err < 1e-12, "indexing"
+    for dtype in (torch.float16, torch.bfloat16):
+        print(f"K3 rounded {str(dtype):14s}: acc / sum relative error {k3_case(64, 200, 0.8, dtype, 3):.1e}")
 
 
 if __name__ == "__main__":

@@ -2,20 +2,18 @@
 #include <torch/library.h>
 
 #include "nystrom/nystrom_host.cuh"
-#include "nystrom/nystrom_tc_kernels.cuh"
 
 namespace hfab {
 namespace nystrom {
 namespace {
 
-// The output kernel on tensor cores (nystrom_tc_kernels.cuh) where the GPU has the shared memory for this buffer
-// (every case on sm_90; sm_80 lacks it at D = 128 with more than 64 landmarks); otherwise, or with
-// HFAB_NYSTROM_TC_FORWARD=0 (for comparison and testing), on CUDA cores (nystrom_out_fwd_kernel).
+// The output kernel on tensor cores (forward_on_tensor_cores) where the GPU has the shared memory for this buffer
+// (every case on sm_90; sm_80 lacks it at D = 128 with more than 64 landmarks), else on CUDA cores
+// (nystrom_out_fwd_kernel).
 template <typename T, int D>
 void launch_output(const Inputs& in, const c10::Device& device, cudaStream_t stream) {
-  static const bool tensor_cores = !env_is("HFAB_NYSTROM_TC_FORWARD", "0");  // read once per process
   const int bytes = tc::OutSmem<D>::bytes(in.p.slots);
-  if (tensor_cores && bytes <= shared_memory_limit(device)) {
+  if (forward_on_tensor_cores() && bytes <= shared_memory_limit(device)) {
     // blocks stage their head's buffer once and take every gridDim.x-th query tile: about 4 blocks per SM in all
     const int64_t tiles = div_up(in.n, tc::kBQ);
     const int64_t per_head =

@@ -21,6 +21,7 @@
 
 #include "common/host.cuh"
 #include "nystrom/nystrom_kernels.cuh"
+#include "nystrom/nystrom_tc_kernels.cuh"
 
 namespace hfab {
 namespace nystrom {
@@ -260,12 +261,21 @@ inline std::pair<int64_t, int64_t> split_plan(int64_t n, int64_t tile, int64_t o
   return {div_up(n, chunk), chunk};
 }
 
-// W0 = K3 v (B, Hq, m, D): split-N partials from nystrom_k3_fwd_kernel, merged in a fixed order. With `lse`,
-// also the base-2 log-sum-exp of each landmark's scores over the real keys (B, Hq, m): K3 = exp2(s - lse).
+// The forward's N-sized kernels on tensor cores (nystrom_tc_kernels.cuh: K3, also where the backward recomputes
+// it, and the output); HFAB_NYSTROM_TC_FORWARD=0 selects the CUDA-core kernels, for comparison and testing.
+inline bool forward_on_tensor_cores() {
+  static const bool enabled = !env_is("HFAB_NYSTROM_TC_FORWARD", "0");  // read once per process
+  return enabled;
+}
+
+// W0 = K3 v (B, Hq, m, D): split-N partials from nystrom_k3_tc_fwd_kernel (or nystrom_k3_fwd_kernel), merged in a
+// fixed order. With `lse`, also the base-2 log-sum-exp of each landmark's scores over the real keys (B, Hq, m):
+// K3 = exp2(s - lse).
 template <typename T, int D>
 at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr) {
   Params& p = in.p;
-  constexpr int BL = K3Tiles<D>::BL, BK = K3Tiles<D>::BK;
+  const bool tensor_cores = forward_on_tensor_cores();
+  const int BL = tensor_cores ? tc::kK3Rows : K3Tiles<D>::BL, BK = tensor_cores ? tc::kK3Keys : K3Tiles<D>::BK;
   const int64_t bh = in.batch * in.hq, ltiles = div_up(in.m, BL);
   const auto [splits, chunk] = split_plan(in.n, BK, ltiles * bh);
   const auto f32 = in.q.options().dtype(at::kFloat);
@@ -278,7 +288,14 @@ at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr)
   p.part_sum = part_sum.data_ptr<float>();
   p.part_acc = part_acc.data_ptr<float>();
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(ltiles), static_cast<unsigned>(bh));
-  nystrom_k3_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(p);
+  if (tensor_cores) {
+    constexpr int bytes = tc::K3Smem<D>::bytes;  // <= 70 KB: every sm_80+ GPU
+    C10_CUDA_CHECK(cudaFuncSetAttribute(tc::nystrom_k3_tc_fwd_kernel<T, D>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    tc::nystrom_k3_tc_fwd_kernel<T, D><<<grid, tc::kK3Threads, bytes, stream>>>(p);
+  } else {
+    nystrom_k3_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(p);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const at::Tensor top = part_max.amax(0, true).clamp_min(-1e30);  // -inf (no real key anywhere) -> finite
   const at::Tensor w = part_max.sub(top).exp2();                     // (splits, B Hq, m), 0 for empty splits

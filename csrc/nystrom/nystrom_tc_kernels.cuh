@@ -241,6 +241,155 @@ __global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_out_tc_fwd
   }
 }
 
+// The K3 stage on tensor cores: for 64 landmarks (4 warps x 16 rows; fp32 Q̃ carrying √scale, as A fragments in a
+// 16-bit high part and residual) against the real keys of one key split, the online softmax of the scores and the
+// unnormalised sum of p v, written as the split's partial (max, sum, acc) exactly as nystrom_k3_fwd_kernel does.
+// Key and value tiles of 64 rows double-buffered by cp.async (one barrier per tile). Precision: S = Q̃ kᵀ with k exact
+// and Q̃ in two halves (two m16n8k16); P v with v exact and P in two halves (two m16n8k16): ~2^-16 relative (bf16).
+constexpr int kK3Warps = 4, kK3Threads = 32 * kK3Warps, kK3Rows = 16 * kK3Warps, kK3Keys = 64;
+
+template <int D> struct K3Smem {
+  static constexpr int kRow = D + 8;
+  static constexpr int kTile = kK3Keys * kRow;  // elements of one k or v tile
+  static constexpr int bytes = 2 * 2 * kTile * 2 + 2 * kK3Keys * 4;  // (k, v) x 2 buffers + 2 bias rows
+};
+
+// A fragments of this warp's 16 landmark rows (fp32, D per row, rows >= m zero) in two 16-bit halves.
+template <typename T, int D>
+__device__ __forceinline__ void landmark_frags(uint32_t (&hi)[D / 16][4], uint32_t (&lo)[D / 16][4], const float* land,
+                                               int row0, int m, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // e: (row g, k 2t..), (row g + 8, 2t..), (row g, 2t + 8..), (row g + 8, 2t + 8..)
+      const int row = row0 + g + 8 * (e & 1), col = 16 * kc + 2 * t + 8 * (e >> 1);
+      const float2 x = row < m ? *reinterpret_cast<const float2*>(land + row * D + col) : make_float2(0.f, 0.f);
+      split_pair<T>(x.x, x.y, hi[kc][e], lo[kc][e]);
+    }
+}
+
+// Grid (splits, ceil(m / 64), B Hq); keys [split * chunk, min(+chunk, N)), padded keys masked.
+template <typename T, int D>
+__global__ void __launch_bounds__(kK3Threads, 2) nystrom_k3_tc_fwd_kernel(const Params p) {
+  using S = K3Smem<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint16_t* tiles = reinterpret_cast<uint16_t*>(smem);  // [buffer][k, v][kK3Keys][D + 8]
+  float* bias = reinterpret_cast<float*>(tiles + 4 * S::kTile);  // [buffer][kK3Keys]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
+  const int split = blockIdx.x, l0 = blockIdx.y * kK3Rows, bh = blockIdx.z;
+  const int b = bh / p.hq, h = bh % p.hq, g = h / p.groups;
+  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h;
+  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h;
+  const float scale_log2 = p.root * kLog2e;  // landmarks carry √scale, keys not yet
+  const int kbeg = split * p.chunk, kend = min(kbeg + p.chunk, p.n);
+
+  auto load = [&](int k0, int buf) {
+    uint16_t* kt = tiles + 2 * buf * S::kTile;
+    auto ok = [=](int r) { return k0 + r < kend; };
+    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt, k, p.sk.n, k0, ok);
+    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt + S::kTile, v, p.sv.n, k0, ok);
+    for (int c = threadIdx.x; c < kK3Keys; c += kK3Threads) {
+      const int j = k0 + c;
+      const bool real = j < kend && (p.mask == nullptr || p.mask[b * p.mask_stride + j]);
+      bias[buf * kK3Keys + c] = real ? 0.f : -inf();
+    }
+  };
+  load(kbeg, 0);
+  uint32_t ahi[D / 16][4], alo[D / 16][4];
+  landmark_frags<T, D>(ahi, alo, p.q_land + (long long)bh * p.m * D, l0 + 16 * warp, p.m, lane);
+
+  float m[2] = {-inf(), -inf()}, l[2] = {0.f, 0.f};
+  float o[D / 8][4];
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
+  const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;    // ldmatrix: k rows as n
+  const int vrow = (lane & 7) + ((lane >> 3) & 1) * 8, vcol = (lane >> 4) * 8;    // ldmatrix.trans: v rows as k
+  int buf = 0;
+  for (int k0 = kbeg; k0 < kend; k0 += kK3Keys, buf ^= 1) {
+    mma::cp_async_wait_all();
+    __syncthreads();  // this tile is in; every warp is done with the other buffer
+    if (k0 + kK3Keys < kend) load(k0 + kK3Keys, buf ^ 1);
+    const uint16_t* kt = tiles + 2 * buf * S::kTile;
+    const uint16_t* vt = kt + S::kTile;
+    const float* bt = bias + buf * kK3Keys;
+    float s[kK3Keys / 8][4];
+#pragma unroll
+    for (int j = 0; j < kK3Keys / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int jj = 0; jj < kK3Keys / 16; ++jj)
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) {
+        uint32_t bf[4];
+        mma::ldsm_x4(bf, kt + (16 * jj + brow) * S::kRow + 16 * kc + bcol);
+        mma::m16n8k16(s[2 * jj], ahi[kc], {bf[0], bf[1]}, T());
+        mma::m16n8k16(s[2 * jj + 1], ahi[kc], {bf[2], bf[3]}, T());
+        mma::m16n8k16(s[2 * jj], alo[kc], {bf[0], bf[1]}, T());
+        mma::m16n8k16(s[2 * jj + 1], alo[kc], {bf[2], bf[3]}, T());
+      }
+    float cmax[2] = {-inf(), -inf()};
+#pragma unroll
+    for (int j = 0; j < kK3Keys / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = fmaf(s[j][e], scale_log2, bt[8 * j + 2 * t + (e & 1)]);
+        s[j][e] = x;
+        cmax[e >> 1] = fmaxf(cmax[e >> 1], x);
+      }
+    float m_use[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float m_new = fmaxf(m[r], mma::quad_max(cmax[r]));
+      m_use[r] = m_new == -inf() ? 0.f : m_new;  // no real key yet: keep everything 0
+      const float alpha = exp2f(m[r] - m_use[r]);
+      m[r] = m_new;
+      l[r] *= alpha;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        o[dn][2 * r] *= alpha;
+        o[dn][2 * r + 1] *= alpha;
+      }
+    }
+#pragma unroll
+    for (int kc = 0; kc < kK3Keys / 16; ++kc) {
+      uint32_t phi[4], plo[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // e: (row g, keys 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
+        float* x = s[2 * kc + e / 2];
+        const int r = e % 2;
+        const float p0 = exp2f(x[2 * r] - m_use[r]), p1 = exp2f(x[2 * r + 1] - m_use[r]);
+        l[r] += p0 + p1;
+        split_pair<T>(p0, p1, phi[e], plo[e]);
+      }
+#pragma unroll
+      for (int dn = 0; dn < D / 16; ++dn) {
+        uint32_t bv[4];
+        mma::ldsm_x4_trans(bv, vt + (16 * kc + vrow) * S::kRow + 16 * dn + vcol);
+        mma::m16n8k16(o[2 * dn], phi, {bv[0], bv[1]}, T());
+        mma::m16n8k16(o[2 * dn + 1], phi, {bv[2], bv[3]}, T());
+        mma::m16n8k16(o[2 * dn], plo, {bv[0], bv[1]}, T());
+        mma::m16n8k16(o[2 * dn + 1], plo, {bv[2], bv[3]}, T());
+      }
+    }
+  }
+
+  const long long slab = (long long)split * gridDim.z + bh;  // (split, b h) slab of m rows
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum = mma::quad_sum(l[r]);
+    const int row = l0 + 16 * warp + lane / 4 + 8 * r;
+    if (row >= p.m) continue;
+    const long long idx = slab * p.m + row;
+    float2* acc = reinterpret_cast<float2*>(p.part_acc + idx * D);
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) acc[4 * dn + t] = make_float2(o[dn][2 * r], o[dn][2 * r + 1]);
+    if (t == 0) {
+      p.part_max[idx] = m[r];
+      p.part_sum[idx] = sum;
+    }
+  }
+}
+
 }  // namespace tc
 }  // namespace nystrom
 }  // namespace hfab
