@@ -119,6 +119,26 @@ __device__ __forceinline__ void chunk_values(float (&o)[D / 8][4], const float (
   }
 }
 
+// The running max of this lane's two rows (g, g + 8) after a tile with column maxima cmax; l and o rescaled to it.
+// m_use: what the tile's probabilities subtract (0 while a row has seen no real key, so that everything stays 0).
+template <int D>
+__device__ __forceinline__ void advance_max(const float (&cmax)[2], float (&m)[2], float (&l)[2], float (&o)[D / 8][4],
+                                            float (&m_use)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = fmaxf(m[r], mma::quad_max(cmax[r]));
+    m_use[r] = m_new == -inf() ? 0.f : m_new;
+    const float alpha = exp2f(m[r] - m_use[r]);  // 0 at a row's first real key (m = -inf)
+    m[r] = m_new;
+    l[r] *= alpha;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      o[dn][2 * r] *= alpha;
+      o[dn][2 * r + 1] *= alpha;
+    }
+  }
+}
+
 // One online-softmax step over a chunk: scores (raw q.keys) to base-2 probabilities, columns >= nvalid masked;
 // the warp's two rows per lane (g, g + 8) keep running max m and this lane's part of the row sum l; o rescaled.
 template <int D>
@@ -134,23 +154,13 @@ __device__ __forceinline__ void chunk_softmax(float (&s)[kChunk / 8][4], float (
       s[j][e] = x;
       cmax[e >> 1] = fmaxf(cmax[e >> 1], x);
     }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float m_new = fmaxf(m[r], mma::quad_max(cmax[r]));  // finite: the chunk has a valid column
-    const float alpha = exp2f(m[r] - m_new);                   // 0 at the first chunk (m = -inf)
-    m[r] = m_new;
-    l[r] *= alpha;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-      o[dn][2 * r] *= alpha;
-      o[dn][2 * r + 1] *= alpha;
-    }
-  }
+  float m_use[2];  // = m: every chunk has a valid column
+  advance_max<D>(cmax, m, l, o, m_use);
 #pragma unroll
   for (int j = 0; j < kChunk / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float pe = exp2f(s[j][e] - m[e >> 1]);
+      const float pe = exp2f(s[j][e] - m_use[e >> 1]);
       l[e >> 1] += pe;
       s[j][e] = pe;
     }
@@ -337,19 +347,7 @@ __global__ void __launch_bounds__(kK3Threads, 2) nystrom_k3_tc_fwd_kernel(const 
         cmax[e >> 1] = fmaxf(cmax[e >> 1], x);
       }
     float m_use[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float m_new = fmaxf(m[r], mma::quad_max(cmax[r]));
-      m_use[r] = m_new == -inf() ? 0.f : m_new;  // no real key yet: keep everything 0
-      const float alpha = exp2f(m[r] - m_use[r]);
-      m[r] = m_new;
-      l[r] *= alpha;
-#pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
-        o[dn][2 * r] *= alpha;
-        o[dn][2 * r + 1] *= alpha;
-      }
-    }
+    advance_max<D>(cmax, m, l, o, m_use);
 #pragma unroll
     for (int kc = 0; kc < kK3Keys / 16; ++kc) {
       uint32_t phi[4], plo[4];

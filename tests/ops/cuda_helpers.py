@@ -79,6 +79,18 @@ def assert_sanitizer_clean(tool: str, script: str) -> None:
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
 
 
+def cases_in_subprocess(module: str, function: str, env: dict, tmp_path):
+    """``tests.ops.<module>.<function>()`` run in a fresh Python process with ``env`` added to the environment (the
+    kernels read their A/B switches once per process), its result passed back through ``torch.save``."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = tmp_path / f"{function}.pt"
+    script = f"import torch; from tests.ops.{module} import {function}; torch.save({function}(), {str(path)!r})"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(path)
+
+
 def assert_compiled_matches_eager(fn, *leaves, backend: str) -> None:
     """fn(*leaves) under torch.compile(fullgraph=True, backend=backend): output and the gradients of
     out.sum() w.r.t. every leaf bitwise equal to eager (the op must not break the graph)."""

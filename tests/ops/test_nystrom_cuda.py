@@ -8,11 +8,6 @@ the condition number of K2, and two fp32 computations in different orders get di
 Outputs are allocated into NaN-poisoned memory so an element a kernel forgets to write fails the test.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -20,14 +15,13 @@ import hf_attention_backends as hfab
 from hf_attention_backends.ops.nystrom import reference
 from tests.inputs import make_padding
 from tests.ops.cuda_helpers import (assert_compiled_matches_eager, assert_kernels_registered, assert_sanitizer_clean,
-                                    assert_unchanged_by_autocast, make_inputs, poison, replay_in_cuda_graph,
-                                    strided_mask, strided_views)
+                                    assert_unchanged_by_autocast, cases_in_subprocess, make_inputs, poison,
+                                    replay_in_cuda_graph, strided_mask, strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
 
 DEV = "cuda"
-ROOT = Path(__file__).resolve().parents[2]
 FACTOR = 3.0
 FLOOR = 1e-5  # fp32 residue where the exact value is 0 (e.g. dk of a single real key)
 
@@ -183,13 +177,9 @@ def test_cuda_core_and_tensor_core_output_kernels_both_match_the_oracle(tmp_path
     """By default the forward's output runs on tensor cores where the GPU has the shared memory for the buffer;
     HFAB_NYSTROM_TC_FORWARD=0 (read once per process, hence a subprocess) selects the CUDA-core kernel, which GPUs
     with less shared memory run. Both within the tolerance rule of the float64 reference."""
-    path = tmp_path / "cuda_cores.pt"
-    script = (f"import torch; from tests.ops.test_nystrom_cuda import output_kernel_cases; "
-              f"torch.save(output_kernel_cases(), {str(path)!r})")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "HFAB_NYSTROM_TC_FORWARD": "0"},
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for case, (cuda_cores, tensor_cores) in enumerate(zip(torch.load(path), output_kernel_cases())):
+    on_cuda_cores = cases_in_subprocess("test_nystrom_cuda", "output_kernel_cases", {"HFAB_NYSTROM_TC_FORWARD": "0"},
+                                        tmp_path)
+    for case, (cuda_cores, tensor_cores) in enumerate(zip(on_cuda_cores, output_kernel_cases())):
         q, k, v, conv, mask, _, m = [t.to(DEV) if isinstance(t, torch.Tensor) else t for t in tensor_cores]
         hyper = dict(m=m, iters=6, kappa=0.0, mask=mask, scale=q.shape[-1] ** -0.5)
         dout = torch.zeros_like(q)

@@ -19,8 +19,8 @@ import hf_attention_backends as hfab
 from hf_attention_backends.ops.race import reference
 from tests.inputs import make_padding
 from tests.ops.cuda_helpers import (DEV, assert_compiled_matches_eager, assert_kernels_registered,
-                                    assert_sanitizer_clean, assert_unchanged_by_autocast, make_inputs, poison,
-                                    replay_in_cuda_graph, strided_mask, strided_views)
+                                    assert_sanitizer_clean, assert_unchanged_by_autocast, cases_in_subprocess,
+                                    make_inputs, poison, replay_in_cuda_graph, strided_mask, strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -262,13 +262,8 @@ def test_prefetch_is_bitwise_the_load_when_needed(tmp_path):
     """By default the causal out kernel loads the next chunk's rows (cp.async) while the current one computes;
     HFAB_RACE_PREFETCH=0 (read once per process, hence a subprocess) selects the variant that loads each chunk's rows
     when it needs them, which GPUs with less shared memory per block run: the same outputs, bit for bit."""
-    path = tmp_path / "no_prefetch.pt"
-    script = (f"import torch; from tests.ops.test_race_cuda import prefetch_cases; "
-              f"torch.save(prefetch_cases(), {str(path)!r})")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "HFAB_RACE_PREFETCH": "0"},
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for case, (loaded, prefetched) in enumerate(zip(torch.load(path), prefetch_cases())):
+    no_prefetch = cases_in_subprocess("test_race_cuda", "prefetch_cases", {"HFAB_RACE_PREFETCH": "0"}, tmp_path)
+    for case, (loaded, prefetched) in enumerate(zip(no_prefetch, prefetch_cases())):
         assert torch.equal(loaded, prefetched), f"case {case}: HFAB_RACE_PREFETCH=0 and the default differ"
 
 
@@ -292,12 +287,8 @@ def test_phi_tile_is_bitwise_the_per_use_rebuild(tmp_path):
     """By default the dq and query-state kernels build each query tile's fp32 phi(q) once, and the dk/dv kernel each key
     chunk's phi(k), with the products of the per-use rebuild (HFAB_RACE_PHI_TILE=0, read once per process, hence a
     subprocess) in the same order: every gradient must be identical, bit for bit."""
-    path = tmp_path / "per_use.pt"
-    script = f"import torch; from tests.ops.test_race_cuda import phi_tile_cases; torch.save(phi_tile_cases(), {str(path)!r})"
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "HFAB_RACE_PHI_TILE": "0"},
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for case, (per_use, tiled) in enumerate(zip(torch.load(path), phi_tile_cases())):
+    per_use_cases = cases_in_subprocess("test_race_cuda", "phi_tile_cases", {"HFAB_RACE_PHI_TILE": "0"}, tmp_path)
+    for case, (per_use, tiled) in enumerate(zip(per_use_cases, phi_tile_cases())):
         for name, a, b in zip(("dq", "dk", "dv", "dbeta"), per_use, tiled):
             assert torch.equal(a, b), f"case {case}: {name} differs between HFAB_RACE_PHI_TILE=0 and the default"
 
