@@ -12,6 +12,7 @@
 
 #include "nystrom/nystrom_bwd_kernels.cuh"
 #include "nystrom/nystrom_host.cuh"
+#include "nystrom/nystrom_tc_bwd_kernels.cuh"
 
 namespace hfab {
 namespace nystrom {
@@ -122,16 +123,32 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   bp.dv = dv.data_ptr();
 
   // row statistics of K1, then the buffer gradients d keys = dS1ᵀ q_s, d vals = K1ᵀ dO (B, Hq, S, D)
-  nystrom_stats_bwd_kernel<T, D><<<grid_of(div_up(N, OutTiles<D>::BQ), Hq, B), kThreads, 0, stream>>>(bp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const int64_t stiles = div_up(S, K1Tiles<D>::BL);
-  const auto [a_splits, a_chunk] = split_plan(N, K1Tiles<D>::BQ, stiles * bh);
+  const c10::Device device = in.q.device();
+  if (buffer_attention_on_tensor_cores<D>(in, device)) {
+    launch_buffer_attention<D>(tc::nystrom_stats_tc_bwd_kernel<T, D>, bp, in, device, stream);
+  } else {
+    nystrom_stats_bwd_kernel<T, D><<<grid_of(div_up(N, OutTiles<D>::BQ), Hq, B), kThreads, 0, stream>>>(bp);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // the buffer gradients on tensor cores where the GPU has the shared memory they need (73 KB at D 64, 103 at 128)
+  constexpr int k1_tc_bytes = tc::K1Smem<D>::bytes;
+  const bool k1_tc = tensor_cores_enabled() && k1_tc_bytes <= shared_memory_limit(device);
+  const int64_t stiles = div_up(S, k1_tc ? tc::kK1Slots : K1Tiles<D>::BL);
+  const auto [a_splits, a_chunk] = split_plan(N, k1_tc ? tc::K1Smem<D>::kQueries : K1Tiles<D>::BQ, stiles * bh);
   const at::Tensor part_dkeys = at::empty({a_splits, B, Hq, S, in.d}, f32);
   const at::Tensor part_dvals = at::empty({a_splits, B, Hq, S, in.d}, f32);
   bp.a_chunk = static_cast<int>(a_chunk);
   bp.part_dkeys = part_dkeys.data_ptr<float>();
   bp.part_dvals = part_dvals.data_ptr<float>();
-  launch_with_smem<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>, grid_of(a_splits, stiles, bh), bp, stream);
+  if (k1_tc) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(tc::nystrom_k1_tc_bwd_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        k1_tc_bytes));
+    tc::nystrom_k1_tc_bwd_kernel<T, D><<<grid_of(a_splits, stiles, bh), tc::kK1Threads, k1_tc_bytes, stream>>>(bp);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    launch_with_smem<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>, grid_of(a_splits, stiles, bh), bp,
+                                                stream);
+  }
   const at::Tensor dkeys = part_dkeys.sum(0), dvals = part_dvals.sum(0);  // fixed order: deterministic
   const at::Tensor dkeys_kv = ungroup(in, dkeys).contiguous(), dvals_kv = ungroup(in, dvals).contiguous();
   bp.dkeys_kv = dkeys_kv.data_ptr<float>();

@@ -7,29 +7,6 @@ namespace hfab {
 namespace nystrom {
 namespace {
 
-// The output kernel on tensor cores (forward_on_tensor_cores) where the GPU has the shared memory for this buffer
-// (every case on sm_90; sm_80 lacks it at D = 128 with more than 64 landmarks), else on CUDA cores
-// (nystrom_out_fwd_kernel).
-template <typename T, int D>
-void launch_output(const Inputs& in, const c10::Device& device, cudaStream_t stream) {
-  const int bytes = tc::OutSmem<D>::bytes(in.p.slots);
-  if (forward_on_tensor_cores() && bytes <= shared_memory_limit(device)) {
-    // blocks stage their head's buffer once and take every gridDim.x-th query tile: about 4 blocks per SM in all
-    const int64_t tiles = div_up(in.n, tc::kBQ);
-    const int64_t per_head =
-        std::min(tiles, std::max<int64_t>(1, div_up(4 * multiprocessor_count(device), in.batch * in.hq)));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(tc::nystrom_out_tc_fwd_kernel<T, D>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    const dim3 grid(static_cast<unsigned>(per_head), static_cast<unsigned>(in.hq), static_cast<unsigned>(in.batch));
-    tc::nystrom_out_tc_fwd_kernel<T, D><<<grid, tc::kThreads, bytes, stream>>>(in.p);
-  } else {
-    const dim3 grid(static_cast<unsigned>(div_up(in.n, OutTiles<D>::BQ)), static_cast<unsigned>(in.hq),
-                    static_cast<unsigned>(in.batch));
-    nystrom_out_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(in.p);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 at::Tensor nystrom_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& conv_weight,
                             const std::optional<at::Tensor>& key_padding_mask, int64_t num_landmarks,
@@ -47,7 +24,14 @@ at::Tensor nystrom_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::
     State st = landmark_state<T, D>(in, stream);
     finish_state<D>(in, st, st.nystrom ? k3_values<T, D>(in, stream) : at::Tensor(), false, stream);
     in.p.out = out.data_ptr();
-    launch_output<T, D>(in, q.device(), stream);
+    if (buffer_attention_on_tensor_cores<D>(in, q.device())) {
+      launch_buffer_attention<D>(tc::nystrom_out_tc_fwd_kernel<T, D>, in.p, in, q.device(), stream);
+    } else {
+      const dim3 grid(static_cast<unsigned>(div_up(in.n, OutTiles<D>::BQ)), static_cast<unsigned>(in.hq),
+                      static_cast<unsigned>(in.batch));
+      nystrom_out_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(in.p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   });  // st's buffers live until the output kernel is queued; the caching allocator orders their reuse
   return out;
 }

@@ -261,11 +261,34 @@ inline std::pair<int64_t, int64_t> split_plan(int64_t n, int64_t tile, int64_t o
   return {div_up(n, chunk), chunk};
 }
 
-// The forward's N-sized kernels on tensor cores (nystrom_tc_kernels.cuh: K3, also where the backward recomputes
-// it, and the output); HFAB_NYSTROM_TC_FORWARD=0 selects the CUDA-core kernels, for comparison and testing.
-inline bool forward_on_tensor_cores() {
-  static const bool enabled = !env_is("HFAB_NYSTROM_TC_FORWARD", "0");  // read once per process
+// The tensor-core kernels (nystrom_tc_kernels.cuh: K3 and the output; nystrom_tc_bwd_kernels.cuh: the backward's
+// row statistics and buffer gradients) where the GPU has their shared memory; HFAB_NYSTROM_TC=0 selects the
+// CUDA-core kernels everywhere, for comparison and testing.
+inline bool tensor_cores_enabled() {
+  static const bool enabled = !env_is("HFAB_NYSTROM_TC", "0");  // read once per process
   return enabled;
+}
+
+// Whether the attention over the key/value buffer (the forward's output, the backward's row statistics) runs on
+// tensor cores: sm_90 always; sm_80 lacks the shared memory at D = 128 with more than 64 slots.
+template <int D>
+bool buffer_attention_on_tensor_cores(const Inputs& in, const c10::Device& device) {
+  return tensor_cores_enabled() && tc::OutSmem<D>::bytes(in.p.slots) <= shared_memory_limit(device);
+}
+
+// Launch one of the buffer-attention kernels on tensor cores (tc::attend_tiles): blocks stage their head's buffer
+// once and take every gridDim.x-th query tile, about 4 blocks per SM in all.
+template <int D, typename Arg>
+void launch_buffer_attention(void (*kernel)(Arg), const Arg& arg, const Inputs& in, const c10::Device& device,
+                             cudaStream_t stream) {
+  const int bytes = tc::OutSmem<D>::bytes(in.p.slots);
+  const int64_t tiles = div_up(in.n, tc::kBQ);
+  const int64_t per_head = std::min(tiles, std::max<int64_t>(1, div_up(4 * multiprocessor_count(device),
+                                                                       in.batch * in.hq)));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  const dim3 grid(static_cast<unsigned>(per_head), static_cast<unsigned>(in.hq), static_cast<unsigned>(in.batch));
+  kernel<<<grid, tc::kThreads, bytes, stream>>>(arg);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // W0 = K3 v (B, Hq, m, D): split-N partials from nystrom_k3_tc_fwd_kernel (or nystrom_k3_fwd_kernel), merged in a
@@ -274,7 +297,7 @@ inline bool forward_on_tensor_cores() {
 template <typename T, int D>
 at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr) {
   Params& p = in.p;
-  const bool tensor_cores = forward_on_tensor_cores();
+  const bool tensor_cores = tensor_cores_enabled();
   const int BL = tensor_cores ? tc::kK3Rows : K3Tiles<D>::BL, BK = tensor_cores ? tc::kK3Keys : K3Tiles<D>::BK;
   const int64_t bh = in.batch * in.hq, ltiles = div_up(in.m, BL);
   const auto [splits, chunk] = split_plan(in.n, BK, ltiles * bh);

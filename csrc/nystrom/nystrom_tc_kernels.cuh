@@ -43,25 +43,32 @@ __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uin
   lo = Pair<T>::from_float2(make_float2(x0 - back.x, x1 - back.y));
 }
 
+// Rows [0, rows) of an fp32 matrix (D floats per row; rows >= count zero) into shared memory as 16-bit high parts
+// and residuals, rows D + 8 elements apart, by a block of THREADS threads.
+template <typename T, int D, int THREADS>
+__device__ __forceinline__ void split_rows(const float* src, int count, int rows, uint16_t* hi, uint16_t* lo) {
+  constexpr int kQuads = D / 4;
+  for (int c = threadIdx.x; c < rows * kQuads; c += THREADS) {
+    const int r = c / kQuads, d = 4 * (c % kQuads);
+    const float4 x = r < count ? __ldg(reinterpret_cast<const float4*>(src + r * D + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    uint2 h, l;
+    split_pair<T>(x.x, x.y, h.x, l.x);
+    split_pair<T>(x.z, x.w, h.y, l.y);
+    *reinterpret_cast<uint2*>(hi + r * (D + 8) + d) = h;
+    *reinterpret_cast<uint2*>(lo + r * (D + 8) + d) = l;
+  }
+}
+
 // The first `nvalid` buffer rows into shared memory (keys split, values as they are), zeros up to `rows`.
 template <typename T, int D>
 __device__ __forceinline__ void stage_buffer(const float* keys, const float* vals, int nvalid, int rows, uint16_t* khi,
                                              uint16_t* klo, float* vs) {
-  using S = OutSmem<D>;
   constexpr int kQuads = D / 4;
+  split_rows<T, D, kThreads>(keys, nvalid, rows, khi, klo);
   for (int c = threadIdx.x; c < rows * kQuads; c += kThreads) {
     const int r = c / kQuads, d = 4 * (c % kQuads);
-    float4 k4 = make_float4(0.f, 0.f, 0.f, 0.f), v4 = k4;
-    if (r < nvalid) {
-      k4 = __ldg(reinterpret_cast<const float4*>(keys + r * D + d));
-      v4 = __ldg(reinterpret_cast<const float4*>(vals + r * D + d));
-    }
-    uint2 hi, lo;
-    split_pair<T>(k4.x, k4.y, hi.x, lo.x);
-    split_pair<T>(k4.z, k4.w, hi.y, lo.y);
-    *reinterpret_cast<uint2*>(khi + r * S::kKey + d) = hi;
-    *reinterpret_cast<uint2*>(klo + r * S::kKey + d) = lo;
-    *reinterpret_cast<float4*>(vs + r * S::kVal + d) = v4;
+    *reinterpret_cast<float4*>(vs + r * OutSmem<D>::kVal + d) =
+        r < nvalid ? __ldg(reinterpret_cast<const float4*>(vals + r * D + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
   }
 }
 
@@ -201,15 +208,17 @@ __device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D /
   }
 }
 
-// Grid (blocks per head, Hq, B); dynamic shared memory OutSmem<D>::bytes(p.slots).
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_out_tc_fwd_kernel(const Params p) {
+// The softmax attention of query tiles over the head's buffer: grid (blocks per head, Hq, B), 256 threads, dynamic
+// shared memory OutSmem<D>::bytes(p.slots). Per tile, each warp calls epilogue(o, m, l, row0) with its unnormalised
+// o = Σ p vals, the running max m (base 2) and this lane's part of the row sums l of rows row0 and row0 + 8.
+template <typename T, int D, typename Epilogue>
+__device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogue) {
   using S = OutSmem<D>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tiles = (p.n + kBQ - 1) / kBQ;
   int tile = blockIdx.x;
   if (tile >= tiles) return;
-  const int h = blockIdx.y, b = blockIdx.z, g = h / p.groups;
+  const int h = blockIdx.y, b = blockIdx.z;
   const long long bh = (long long)b * p.hq + h;
   const int nvalid = p.nvalid[b], rows = S::rows(p.slots);
   uint16_t* khi = reinterpret_cast<uint16_t*>(smem);
@@ -218,7 +227,6 @@ __global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_out_tc_fwd
   uint16_t* qs = reinterpret_cast<uint16_t*>(vs + rows * S::kVal);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
-  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h;
   const int n = p.n;
   auto load_q = [&](int t0) {
     mma::load_rows_async<kBQ, D, kThreads>(qs, q, p.sq.n, t0 * kBQ, [=](int r) { return t0 * kBQ + r < n; });
@@ -247,8 +255,18 @@ __global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_out_tc_fwd
       chunk_softmax<D>(s, m, l, o, c0, nvalid, scale_log2, lane);
       chunk_values<D>(o, s, vs, c0, nvalid, lane);
     }
-    store_rows<T, D>(p, o, l, tile * kBQ + 16 * warp + lane / 4, b, h, v, lane);
+    epilogue(o, m, l, tile * kBQ + 16 * warp + lane / 4);
   }
+}
+
+// out = softmax(q_s keysᵀ) vals + conv residual, in T.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_out_tc_fwd_kernel(const Params p) {
+  const int h = blockIdx.y, b = blockIdx.z;
+  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + (h / p.groups) * p.sv.h;
+  attend_tiles<T, D>(p, [&](const float (&o)[D / 8][4], const float (&)[2], const float (&l)[2], int row0) {
+    store_rows<T, D>(p, o, l, row0, b, h, v, threadIdx.x % 32);
+  });
 }
 
 // The K3 stage on tensor cores: for 64 landmarks (4 warps x 16 rows; fp32 Q̃ carrying √scale, as A fragments in a

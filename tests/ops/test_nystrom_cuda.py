@@ -151,43 +151,46 @@ def test_input_scales_no_nan(mult, dtype):
 
 
 def test_blocks_take_several_query_tiles():
-    """The tensor-core output kernel runs about 4 blocks per SM over all heads, each taking every gridDim.x-th query tile
-    of its head: with 64 heads and 17 tiles per head, blocks take one or two tiles (the next tile's rows load while
-    the current one computes)."""
+    """The tensor-core output and row-statistics kernels run about 4 blocks per SM over all heads, each taking every
+    gridDim.x-th query tile of its head: with 64 heads and 17 tiles per head, blocks take one or two tiles (the next
+    tile's rows load while the current one computes)."""
     q, k, v = make_inputs(4, 16, 4, 2049, 2049, 64, seed=3)
     mask = make_padding(4, 2049, min_real=1500, seed=3).to(DEV)
     check(q, k, v, m=64, mask=mask, conv=make_conv(16, 3, q.dtype))
 
 
-def output_kernel_cases():
-    """Outputs of hfab::nystrom_fwd over the buffer sizes and head dims the tensor-core output kernel stages (slots
-    up to 128, D 32 / 64 / 128), with padding, conv and GQA; each with its inputs."""
+def kernel_path_cases():
+    """Forward and backward of the Nyström ops over the buffer sizes and head dims the tensor-core kernels stage
+    (slots up to 128, D 32 / 64 / 128), with padding, conv and GQA: per case its inputs, m, out and the gradients."""
     cases = []
     for n, m, d, dtype in [(333, 128, 128, torch.float16), (1000, 64, 128, torch.bfloat16), (700, 100, 64, torch.float16),
                            (129, 7, 32, torch.bfloat16), (50, 64, 64, torch.float16)]:
         q, k, v = make_inputs(2, 4, 2, n, n, d, dtype=dtype, seed=n)
         mask = make_padding(2, n, min_real=min(n, 40), seed=d).to(DEV)
         conv = make_conv(4, 3, dtype)
+        dout = torch.randn(q.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(n)).to(dtype)
         out = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, m, 6, 0.0, d ** -0.5)
-        cases.append([t.cpu() for t in (q, k, v, conv, mask, out)] + [m])
+        grads = torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, m, 6, 0.0, d ** -0.5)
+        cases.append(([t.cpu() for t in (q, k, v, conv, mask, dout)], m, [t.cpu() for t in (out, *grads)]))
     return cases
 
 
-def test_cuda_core_and_tensor_core_output_kernels_both_match_the_oracle(tmp_path):
-    """By default the forward's output runs on tensor cores where the GPU has the shared memory for the buffer;
-    HFAB_NYSTROM_TC_FORWARD=0 (read once per process, hence a subprocess) selects the CUDA-core kernel, which GPUs
-    with less shared memory run. Both within the tolerance rule of the float64 reference."""
-    on_cuda_cores = cases_in_subprocess("test_nystrom_cuda", "output_kernel_cases", {"HFAB_NYSTROM_TC_FORWARD": "0"},
-                                        tmp_path)
-    for case, (cuda_cores, tensor_cores) in enumerate(zip(on_cuda_cores, output_kernel_cases())):
-        q, k, v, conv, mask, _, m = [t.to(DEV) if isinstance(t, torch.Tensor) else t for t in tensor_cores]
+def test_cuda_core_and_tensor_core_kernels_both_match_the_oracle(tmp_path):
+    """By default the forward's K3 and output kernels and the backward's row statistics and buffer gradients run on
+    tensor cores where the GPU has their shared memory; HFAB_NYSTROM_TC=0 (read once per process, hence a
+    subprocess) selects the CUDA-core kernels, which GPUs with less shared memory run. Both within the tolerance rule
+    of the float64 reference, output and every gradient."""
+    on_cuda_cores = cases_in_subprocess("test_nystrom_cuda", "kernel_path_cases", {"HFAB_NYSTROM_TC": "0"}, tmp_path)
+    for case, ((inputs, m, cuda_cores), (_, _, tensor_cores)) in enumerate(zip(on_cuda_cores, kernel_path_cases())):
+        q, k, v, conv, mask, dout = (t.to(DEV) for t in inputs)
         hyper = dict(m=m, iters=6, kappa=0.0, mask=mask, scale=q.shape[-1] ** -0.5)
-        dout = torch.zeros_like(q)
-        out64, _ = reference_run(q.double(), k.double(), v.double(), conv.double(), dout.double(), **hyper)
-        out_ref, _ = reference_run(q, k, v, conv, dout, **hyper)
-        for name, out in (("tensor cores", tensor_cores[5]), ("CUDA cores", cuda_cores[5])):
-            assert_close_to_oracle(out.to(DEV), out64, baseline=out_ref, factor=FACTOR, floor=FLOOR,
-                                   name=f"case {case} {name}")
+        out64, grads64 = reference_run(q.double(), k.double(), v.double(), conv.double(), dout.double(), **hyper)
+        out_ref, grads_ref = reference_run(q, k, v, conv, dout, **hyper)
+        for path, results in (("tensor cores", tensor_cores), ("CUDA cores", cuda_cores)):
+            for name, got, want, base in zip(("out", "dq", "dk", "dv", "dconv"), results, (out64, *grads64),
+                                             (out_ref, *grads_ref)):
+                assert_close_to_oracle(got.to(DEV), want, baseline=base, factor=FACTOR, floor=FLOOR,
+                                       name=f"case {case} {path} {name}")
 
 
 def test_deterministic_forward():

@@ -10,7 +10,7 @@ acc), against the dense partial over the split's real keys.
 Two modes: exact (float64 values, splits exact: checks only the indexing, errors ~1e-15 when right) and rounded
 (q and the key halves rounded to fp16 / bf16, tf32 halves by truncation as mma::tf32_split, fp32 accumulation not
 modelled): the kernel's operand error against float64, next to the error of rounding the output to the dtype.
-Run: python scripts/nystrom_tc_out_lanes.py (CPU, about a minute)."""
+Run: python scripts/nystrom_tc_lanes.py (CPU, about a minute)."""
 import numpy as np
 import torch
 
@@ -247,6 +247,89 @@ def k3_case(D, n, real_fraction, dtype, seed):
     return np.abs(got - want).max() / np.abs(want).max()
 
 
+def emulate_k1(keys, vals, q, dout, lse, delta, nvalid, scale_log2, kQueries):
+    """keys, vals (64, D) one block's slots (rows >= nvalid zero); q, dout (nq, D) the split's queries; lse, delta (nq,).
+    Exact arithmetic (splits exact). Returns the partial (d vals, d keys before the √scale factor), (64, D) each."""
+    D = keys.shape[1]
+    kRow = D + 8
+    nq = q.shape[0]
+    flat = lambda a: np.concatenate([a, np.zeros((a.shape[0], kRow - D))], 1).ravel()
+    khi, klo, vhi, vlo = flat(keys), np.zeros(64 * kRow), flat(vals), np.zeros(64 * kRow)
+    dvals, dkeys = np.zeros((64, D)), np.zeros((64, D))
+    lane = np.arange(32)
+    arow, acol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
+    brow, bcol = (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8
+    trow, tcol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
+    for warp in range(4):
+        dv = [np.zeros((32, 4)) for _ in range(D // 8)]
+        dk = [np.zeros((32, 4)) for _ in range(D // 8)]
+        slot_ok = [16 * warp + G + 8 * r < nvalid for r in range(2)]
+        for q0 in range(0, nq, kQueries):
+            count = min(kQueries, nq - q0)
+            qt = np.zeros((kQueries, D))
+            dt = np.zeros((kQueries, D))
+            qt[:count], dt[:count] = q[q0:q0 + count], dout[q0:q0 + count]
+            ls, ds = np.zeros(kQueries), np.zeros(kQueries)
+            ls[:count], ds[:count] = lse[q0:q0 + count], delta[q0:q0 + count]
+            qt, dt = flat(qt), flat(dt)
+            s = [np.zeros((32, 4)) for _ in range(kQueries // 8)]
+            dp = [np.zeros((32, 4)) for _ in range(kQueries // 8)]
+            for kc in range(D // 16):
+                a = [ldsm_x4(t, (16 * warp + arow) * kRow + 16 * kc + acol) for t in (khi, klo, vhi, vlo)]
+                for jj in range(kQueries // 16):
+                    bq = ldsm_x4(qt, (16 * jj + brow) * kRow + 16 * kc + bcol)
+                    bd = ldsm_x4(dt, (16 * jj + brow) * kRow + 16 * kc + bcol)
+                    for part in range(2):
+                        mma16816(s[2 * jj], a[part], [bq[0], bq[1]])
+                        mma16816(s[2 * jj + 1], a[part], [bq[2], bq[3]])
+                        mma16816(dp[2 * jj], a[2 + part], [bd[0], bd[1]])
+                        mma16816(dp[2 * jj + 1], a[2 + part], [bd[2], bd[3]])
+            for j in range(kQueries // 8):
+                for e in range(4):
+                    c = 8 * j + 2 * TT + (e & 1)
+                    ok = slot_ok[e >> 1] & (c < count)
+                    pr = np.where(ok, np.exp2(s[j][:, e] * scale_log2 - ls[c]), 0.0)
+                    s[j][:, e] = pr
+                    dp[j][:, e] = pr * (dp[j][:, e] - ds[c])
+            for kc in range(kQueries // 16):
+                pa, da = [], []
+                for e in range(4):
+                    j, c = 2 * kc + e // 2, 2 * (e % 2)
+                    pa.append(np.stack([s[j][:, c], s[j][:, c + 1]], 1))
+                    da.append(np.stack([dp[j][:, c], dp[j][:, c + 1]], 1))
+                for dn in range(D // 16):
+                    bd = ldsm_x4_trans(dt, (16 * kc + trow) * kRow + 16 * dn + tcol)
+                    bq = ldsm_x4_trans(qt, (16 * kc + trow) * kRow + 16 * dn + tcol)
+                    mma16816(dv[2 * dn], pa, [bd[0], bd[1]])
+                    mma16816(dv[2 * dn + 1], pa, [bd[2], bd[3]])
+                    mma16816(dk[2 * dn], da, [bq[0], bq[1]])
+                    mma16816(dk[2 * dn + 1], da, [bq[2], bq[3]])
+        for r in range(2):
+            row = 16 * warp + G + 8 * r
+            for dn in range(D // 8):
+                dvals[row, 8 * dn + 2 * TT], dvals[row, 8 * dn + 2 * TT + 1] = dv[dn][:, 2 * r], dv[dn][:, 2 * r + 1]
+                dkeys[row, 8 * dn + 2 * TT], dkeys[row, 8 * dn + 2 * TT + 1] = dk[dn][:, 2 * r], dk[dn][:, 2 * r + 1]
+    return dvals, dkeys
+
+
+def k1_case(D, nq, nvalid, seed):
+    rng = np.random.default_rng(seed)
+    keys, vals = np.zeros((64, D)), np.zeros((64, D))
+    keys[:nvalid] = rng.standard_normal((nvalid, D)) * D ** -0.25
+    vals[:nvalid] = rng.standard_normal((nvalid, D))
+    q, dout = rng.standard_normal((nq, D)), rng.standard_normal((nq, D))
+    scale_log2 = D ** -0.25 * 1.4426950408889634
+    s = q @ keys[:nvalid].T * scale_log2
+    lse = np.log2(np.exp2(s).sum(1)) + rng.standard_normal(nq) * 0.1  # any row statistics: the kernel takes them
+    delta = rng.standard_normal(nq)
+    p = np.exp2(s - lse[:, None])
+    ds = p * (dout @ vals[:nvalid].T - delta[:, None])
+    want_v, want_k = np.zeros((64, D)), np.zeros((64, D))
+    want_v[:nvalid], want_k[:nvalid] = p.T @ dout, ds.T @ q
+    got_v, got_k = emulate_k1(keys, vals, q, dout, lse, delta, nvalid, scale_log2, 32 if D == 128 else 64)
+    return max(np.abs(got_v - want_v).max() / np.abs(want_v).max(), np.abs(got_k - want_k).max() / np.abs(want_k).max())
+
+
 def main():
     for D, slots, nvalid in [(32, 7, 7), (64, 32, 32), (64, 128, 100), (128, 64, 64), (64, 128, 65), (32, 16, 0),
                              (128, 128, 128)]:
@@ -264,6 +347,10 @@ def main():
         assert err < 1e-12, "indexing"
     for dtype in (torch.float16, torch.bfloat16):
         print(f"K3 rounded {str(dtype):14s}: acc / sum relative error {k3_case(64, 200, 0.8, dtype, 3):.1e}")
+    for D, nq, nvalid in [(32, 150, 64), (64, 70, 33), (128, 45, 64), (128, 100, 7)]:
+        err = k1_case(D, nq, nvalid, D + nq)
+        print(f"K1 exact   D={D:3d} queries={nq:3d} nvalid={nvalid:2d}: max relative error of d vals, d keys {err:.1e}")
+        assert err < 1e-12, "indexing"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,202 @@
+// Nyström backward on tensor cores (mma.sync, sm_80+): the row statistics of K1 and the buffer gradients, the two
+// query-side kernels of nystrom_bwd_kernels.cuh (same outputs, same layouts; the others stay on CUDA cores).
+//
+//   nystrom_stats_tc_bwd_kernel  the forward's output kernel (attend_tiles) with another epilogue: lse1 = m + log2 Σp
+//                                and Δ1 = dO · out_attn per query row
+//   nystrom_k1_tc_bwd_kernel     per (query split, 64 slots, b h): partial d vals = K1ᵀ dO and d keys = dS1ᵀ q_s with
+//                                dS1 = K1 ∘ (dO valsᵀ − Δ1); 4 warps x 16 slots, the slots' fp32 keys and values in
+//                                two 16-bit halves as A operands, 64-query (D 128: 32) q and dO tiles (with lse1, Δ1)
+//                                double-buffered by cp.async; Kᵀ and dS1ᵀ in two halves against exact q, dO
+#pragma once
+
+#include <cstdint>
+
+#include "common/mma.cuh"
+#include "nystrom/nystrom_bwd_kernels.cuh"
+#include "nystrom/nystrom_tc_kernels.cuh"
+
+namespace hfab {
+namespace nystrom {
+namespace tc {
+
+// Grid and shared memory as nystrom_out_tc_fwd_kernel. lse1 = +inf and Δ1 = 0 for a row with no valid slot.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_stats_tc_bwd_kernel(const BwdParams bp) {
+  const Params& p = bp.p;
+  const long long bh = (long long)blockIdx.z * p.hq + blockIdx.y;
+  const T* dout = static_cast<const T*>(bp.dout) + bh * p.n * D;
+  attend_tiles<T, D>(p, [&](const float (&o)[D / 8][4], const float (&m)[2], const float (&l)[2], int row0) {
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float sum = mma::quad_sum(l[r]);
+      const int row = row0 + 8 * r;
+      float dot = 0.f;
+      if (row < p.n) {
+        const unsigned* drow = reinterpret_cast<const unsigned*>(dout + (long long)row * D);
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+          const float2 x = Pair<T>::to_float2(drow[4 * dn + t]);
+          dot = fmaf(x.x, o[dn][2 * r], fmaf(x.y, o[dn][2 * r + 1], dot));
+        }
+      }
+      dot = mma::quad_sum(dot);
+      if (row < p.n && t == 0) {
+        bp.lse1[bh * p.n + row] = sum > 0.f ? m[r] + __log2f(sum) : inf();
+        bp.delta1[bh * p.n + row] = sum > 0.f ? dot / sum : 0.f;
+      }
+    }
+  });
+}
+
+constexpr int kK1Warps = 4, kK1Threads = 32 * kK1Warps, kK1Slots = 16 * kK1Warps;
+
+// Dynamic shared memory: keys hi, lo and vals hi, lo [64][D + 8] T (the block's slots); 2 buffers x (q, dO)
+// [kQueries][D + 8] T; 2 buffers x (lse1, Δ1) [kQueries] fp32. 32 queries per tile at D 128 (registers: the two
+// D-wide accumulators take 128).
+template <int D> struct K1Smem {
+  static constexpr int kQueries = D == 128 ? 32 : 64;
+  static constexpr int kRow = D + 8, kSlotTile = kK1Slots * kRow, kQueryTile = kQueries * kRow;
+  static constexpr int bytes = 4 * kSlotTile * 2 + 4 * kQueryTile * 2 + 4 * kQueries * 4;
+};
+
+// Grid (splits, ceil(slots / 64), B Hq). Queries [split * a_chunk, min(+a_chunk, N)).
+template <typename T, int D>
+__global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bwd_kernel(const BwdParams bp) {
+  using S = K1Smem<D>;
+  constexpr int kRow = S::kRow, kTile = S::kSlotTile, kQTile = S::kQueryTile, kQueries = S::kQueries;
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint16_t* khi = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* klo = khi + kTile;
+  uint16_t* vhi = klo + kTile;
+  uint16_t* vlo = vhi + kTile;
+  uint16_t* qdo = vlo + kTile;                                 // [buffer][q, dO][kQueries][D + 8]
+  float* stats = reinterpret_cast<float*>(qdo + 4 * kQTile);   // [buffer][lse1, Δ1][kQueries]
+  const Params& p = bp.p;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int split = blockIdx.x, s0 = blockIdx.y * kK1Slots, bh = blockIdx.z;
+  const int b = bh / p.hq, h = bh % p.hq;
+  const int nvalid = p.nvalid[b];
+  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
+  const T* dout = static_cast<const T*>(bp.dout) + (long long)bh * p.n * D;
+  const float scale_log2 = p.root * kLog2e;
+  const int qbeg = split * bp.a_chunk, qend = s0 < nvalid ? min(qbeg + bp.a_chunk, p.n) : qbeg;
+
+  auto load = [&](int q0, int buf) {
+    uint16_t* qt = qdo + 2 * buf * kQTile;
+    auto ok = [=](int r) { return q0 + r < qend; };
+    mma::load_rows_async<kQueries, D, kK1Threads>(qt, q, p.sq.n, q0, ok);
+    mma::load_rows_async<kQueries, D, kK1Threads>(qt + kQTile, dout, D, q0, ok);
+    float* st = stats + 2 * buf * kQueries;
+    for (int c = threadIdx.x; c < kQueries; c += kK1Threads) {
+      const bool in = q0 + c < qend;
+      st[c] = in ? bp.lse1[(long long)bh * p.n + q0 + c] : 0.f;
+      st[kQueries + c] = in ? bp.delta1[(long long)bh * p.n + q0 + c] : 0.f;
+    }
+  };
+  if (qbeg < qend) load(qbeg, 0);
+  const long long slot0 = (long long)bh * p.slots + s0;
+  const int count = max(min(nvalid - s0, kK1Slots), 0);
+  split_rows<T, D, kK1Threads>(p.keys + slot0 * D, count, kK1Slots, khi, klo);
+  split_rows<T, D, kK1Threads>(p.vals + slot0 * D, count, kK1Slots, vhi, vlo);
+
+  float dvals[D / 8][4], dkeys[D / 8][4];
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dvals[dn][e] = dkeys[dn][e] = 0.f;
+  const bool slot_ok[2] = {s0 + 16 * warp + g < nvalid, s0 + 16 * warp + g + 8 < nvalid};
+  // ldmatrix lanes: A (slot rows, k = d), B (query rows as n, k = d), B trans (query rows as k, n = d)
+  const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
+  const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;
+  const int trow = (lane & 7) + ((lane >> 3) & 1) * 8, tcol = (lane >> 4) * 8;
+  int buf = 0;
+  for (int q0 = qbeg; q0 < qend; q0 += kQueries, buf ^= 1) {
+    mma::cp_async_wait_all();
+    __syncthreads();  // this tile (and, at the first, the slots) is in; every warp is done with the other buffer
+    if (q0 + kQueries < qend) load(q0 + kQueries, buf ^ 1);
+    const uint16_t* qt = qdo + 2 * buf * kQTile;
+    const uint16_t* dt = qt + kQTile;
+    const float* lse = stats + 2 * buf * kQueries;
+    const float* delta = lse + kQueries;
+
+    float s[kQueries / 8][4], dp[kQueries / 8][4];  // Sᵀ = keys q_sᵀ, dPᵀ = vals dOᵀ (slots x queries)
+#pragma unroll
+    for (int j = 0; j < kQueries / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+      uint32_t a[4][4];  // keys hi, lo, vals hi, lo
+      mma::ldsm_x4(a[0], khi + arow * kRow + 16 * kc + acol);
+      mma::ldsm_x4(a[1], klo + arow * kRow + 16 * kc + acol);
+      mma::ldsm_x4(a[2], vhi + arow * kRow + 16 * kc + acol);
+      mma::ldsm_x4(a[3], vlo + arow * kRow + 16 * kc + acol);
+#pragma unroll
+      for (int jj = 0; jj < kQueries / 16; ++jj) {
+        uint32_t bq[4], bd[4];
+        mma::ldsm_x4(bq, qt + (16 * jj + brow) * kRow + 16 * kc + bcol);
+        mma::ldsm_x4(bd, dt + (16 * jj + brow) * kRow + 16 * kc + bcol);
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+          mma::m16n8k16(s[2 * jj], a[part], {bq[0], bq[1]}, T());
+          mma::m16n8k16(s[2 * jj + 1], a[part], {bq[2], bq[3]}, T());
+          mma::m16n8k16(dp[2 * jj], a[2 + part], {bd[0], bd[1]}, T());
+          mma::m16n8k16(dp[2 * jj + 1], a[2 + part], {bd[2], bd[3]}, T());
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kQueries / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // slot row 16 warp + g + 8 (e / 2), query column 8 j + 2 t + e % 2
+        const int c = 8 * j + 2 * t + (e & 1);
+        const bool ok = slot_ok[e >> 1] && q0 + c < qend;
+        const float pr = ok ? exp2f(fmaf(s[j][e], scale_log2, -lse[c])) : 0.f;
+        s[j][e] = pr;
+        dp[j][e] = pr * (dp[j][e] - delta[c]);
+      }
+#pragma unroll
+    for (int kc = 0; kc < kQueries / 16; ++kc) {
+      uint32_t phi[4], plo[4], dhi[4], dlo[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // e: (row g, queries 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
+        const int j = 2 * kc + e / 2, c = 2 * (e % 2);
+        split_pair<T>(s[j][c], s[j][c + 1], phi[e], plo[e]);
+        split_pair<T>(dp[j][c], dp[j][c + 1], dhi[e], dlo[e]);
+      }
+#pragma unroll
+      for (int dn = 0; dn < D / 16; ++dn) {
+        uint32_t bd[4], bq[4];
+        mma::ldsm_x4_trans(bd, dt + (16 * kc + trow) * kRow + 16 * dn + tcol);
+        mma::ldsm_x4_trans(bq, qt + (16 * kc + trow) * kRow + 16 * dn + tcol);
+        mma::m16n8k16(dvals[2 * dn], phi, {bd[0], bd[1]}, T());
+        mma::m16n8k16(dvals[2 * dn + 1], phi, {bd[2], bd[3]}, T());
+        mma::m16n8k16(dvals[2 * dn], plo, {bd[0], bd[1]}, T());
+        mma::m16n8k16(dvals[2 * dn + 1], plo, {bd[2], bd[3]}, T());
+        mma::m16n8k16(dkeys[2 * dn], dhi, {bq[0], bq[1]}, T());
+        mma::m16n8k16(dkeys[2 * dn + 1], dhi, {bq[2], bq[3]}, T());
+        mma::m16n8k16(dkeys[2 * dn], dlo, {bq[0], bq[1]}, T());
+        mma::m16n8k16(dkeys[2 * dn + 1], dlo, {bq[2], bq[3]}, T());
+      }
+    }
+  }
+
+  const long long slab = (long long)split * gridDim.z + bh;  // (split, b h) slab of slots rows
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = s0 + 16 * warp + g + 8 * r;
+    if (row >= p.slots) continue;
+    float2* dv = reinterpret_cast<float2*>(bp.part_dvals + (slab * p.slots + row) * D);
+    float2* dk = reinterpret_cast<float2*>(bp.part_dkeys + (slab * p.slots + row) * D);
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      dv[4 * dn + t] = make_float2(dvals[dn][2 * r], dvals[dn][2 * r + 1]);
+      dk[4 * dn + t] = make_float2(dkeys[dn][2 * r] * p.root, dkeys[dn][2 * r + 1] * p.root);  // q_s = q √scale
+    }
+  }
+}
+
+}  // namespace tc
+}  // namespace nystrom
+}  // namespace hfab
