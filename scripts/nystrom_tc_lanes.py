@@ -330,6 +330,78 @@ def k1_case(D, nq, nvalid, seed):
     return max(np.abs(got_v - want_v).max() / np.abs(want_v).max(), np.abs(got_k - want_k).max() / np.abs(want_k).max())
 
 
+def emulate_dq(q, dout, keys, vals, lse, delta, nvalid, scale_log2):
+    """q, dout (128, D) one query tile; keys, vals (rows, D) the buffer; exact. Returns dS1 keys (128, D)."""
+    rows, D = keys.shape
+    kRow = D + 8
+    flat = lambda a: np.concatenate([a, np.zeros((a.shape[0], kRow - D))], 1).ravel()
+    halves = [flat(keys), np.zeros(rows * kRow), flat(vals), np.zeros(rows * kRow)]
+    qs, dos = flat(q), flat(dout)
+    out = np.zeros((128, D))
+    lane = np.arange(32)
+    arow, acol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
+    brow, bcol = (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8
+    trow, tcol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
+    for warp in range(kWarps):
+        ls = [lse[16 * warp + G + 8 * r] for r in range(2)]
+        ds = [delta[16 * warp + G + 8 * r] for r in range(2)]
+        acc = [np.zeros((32, 4)) for _ in range(D // 8)]
+        for c0 in range(0, nvalid, kChunk):
+            s = [np.zeros((32, 4)) for _ in range(kChunk // 8)]
+            dp = [np.zeros((32, 4)) for _ in range(kChunk // 8)]
+            for kc in range(D // 16):
+                aq = ldsm_x4(qs, (16 * warp + arow) * kRow + 16 * kc + acol)
+                ad = ldsm_x4(dos, (16 * warp + arow) * kRow + 16 * kc + acol)
+                for jj in range(kChunk // 16):
+                    if c0 + 16 * jj >= nvalid:
+                        continue
+                    off = (c0 + 16 * jj + brow) * kRow + 16 * kc + bcol
+                    for part in range(4):
+                        bf = ldsm_x4(halves[part], off)
+                        target, a = (s, aq) if part < 2 else (dp, ad)
+                        mma16816(target[2 * jj], a, [bf[0], bf[1]])
+                        mma16816(target[2 * jj + 1], a, [bf[2], bf[3]])
+            for j in range(kChunk // 8):
+                for e in range(4):
+                    ok = c0 + 8 * j + 2 * TT + (e & 1) < nvalid
+                    pr = np.where(ok, np.exp2(s[j][:, e] * scale_log2 - ls[e >> 1]), 0.0)
+                    dp[j][:, e] = pr * (dp[j][:, e] - ds[e >> 1])
+            for kc in range(kChunk // 16):
+                if c0 + 16 * kc >= nvalid:
+                    continue
+                da = []
+                for e in range(4):
+                    j, c = 2 * kc + e // 2, 2 * (e % 2)
+                    da.append(np.stack([dp[j][:, c], dp[j][:, c + 1]], 1))
+                for dn in range(D // 16):
+                    off = (c0 + 16 * kc + trow) * kRow + 16 * dn + tcol
+                    for half in (halves[0], halves[1]):
+                        bk = ldsm_x4_trans(half, off)
+                        mma16816(acc[2 * dn], da, [bk[0], bk[1]])
+                        mma16816(acc[2 * dn + 1], da, [bk[2], bk[3]])
+        for r in range(2):
+            row = 16 * warp + G + 8 * r
+            for dn in range(D // 8):
+                out[row, 8 * dn + 2 * TT], out[row, 8 * dn + 2 * TT + 1] = acc[dn][:, 2 * r], acc[dn][:, 2 * r + 1]
+    return out
+
+
+def dq_case(D, slots, nvalid, seed):
+    rng = np.random.default_rng(seed)
+    rows = (slots + 15) // 16 * 16
+    keys, vals = np.zeros((rows, D)), np.zeros((rows, D))
+    keys[:nvalid] = rng.standard_normal((nvalid, D)) * D ** -0.25
+    vals[:nvalid] = rng.standard_normal((nvalid, D))
+    q, dout = rng.standard_normal((128, D)), rng.standard_normal((128, D))
+    scale_log2 = D ** -0.25 * 1.4426950408889634
+    s = q @ keys[:nvalid].T * scale_log2
+    lse = np.log2(np.exp2(s).sum(1))
+    delta = rng.standard_normal(128)
+    want = (np.exp2(s - lse[:, None]) * (dout @ vals[:nvalid].T - delta[:, None])) @ keys[:nvalid]
+    got = emulate_dq(q, dout, keys, vals, lse, delta, nvalid, scale_log2)
+    return np.abs(got - want).max() / np.abs(want).max()
+
+
 def main():
     for D, slots, nvalid in [(32, 7, 7), (64, 32, 32), (64, 128, 100), (128, 64, 64), (64, 128, 65), (32, 16, 0),
                              (128, 128, 128)]:
@@ -350,6 +422,10 @@ def main():
     for D, nq, nvalid in [(32, 150, 64), (64, 70, 33), (128, 45, 64), (128, 100, 7)]:
         err = k1_case(D, nq, nvalid, D + nq)
         print(f"K1 exact   D={D:3d} queries={nq:3d} nvalid={nvalid:2d}: max relative error of d vals, d keys {err:.1e}")
+        assert err < 1e-12, "indexing"
+    for D, slots, nvalid in [(32, 7, 7), (64, 128, 100), (128, 64, 50), (64, 32, 32)]:
+        err = dq_case(D, slots, nvalid, D + slots)
+        print(f"dq exact   D={D:3d} slots={slots:3d} nvalid={nvalid:3d}: max relative error {err:.1e}")
         assert err < 1e-12, "indexing"
 
 

@@ -125,7 +125,8 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   // row statistics of K1, then the buffer gradients d keys = dS1ᵀ q_s, d vals = K1ᵀ dO (B, Hq, S, D)
   const c10::Device device = in.q.device();
   if (buffer_attention_on_tensor_cores<D>(in, device)) {
-    launch_buffer_attention<D>(tc::nystrom_stats_tc_bwd_kernel<T, D>, bp, in, device, stream);
+    launch_query_tiles(tc::nystrom_stats_tc_bwd_kernel<T, D>, bp, tc::OutSmem<D>::bytes(in.p.slots), in, device,
+                       stream);
   } else {
     nystrom_stats_bwd_kernel<T, D><<<grid_of(div_up(N, OutTiles<D>::BQ), Hq, B), kThreads, 0, stream>>>(bp);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -181,8 +182,13 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
 
   launch_with_smem<typename KvTiles<D>::Smem>(nystrom_kv_bwd_kernel<T, D>,
                                               grid_of(div_up(N, KvTiles<D>::BK), in.hkv, B), bp, stream);
-  launch_with_smem<typename DqTiles<D>::Smem>(nystrom_dq_bwd_kernel<T, D>,
-                                              grid_of(div_up(N, DqTiles<D>::BQ), Hq, B), bp, stream);
+  const int dq_tc_bytes = tc::DqSmem<D>::bytes(in.p.slots);  // 54 KB at D 64, m 32; 136 KB at D 128, m 64
+  if (tensor_cores_enabled() && dq_tc_bytes <= shared_memory_limit(device)) {
+    launch_query_tiles(tc::nystrom_dq_tc_bwd_kernel<T, D>, bp, dq_tc_bytes, in, device, stream);
+  } else {
+    launch_with_smem<typename DqTiles<D>::Smem>(nystrom_dq_bwd_kernel<T, D>,
+                                                grid_of(div_up(N, DqTiles<D>::BQ), Hq, B), bp, stream);
+  }
   at::Tensor dconv = in.conv.defined() ? conv_weight_grad(in, dout) : at::empty({0}, in.q.options());
   return {dq, dk, dv, dconv};
 }

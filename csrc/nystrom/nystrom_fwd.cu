@@ -25,7 +25,8 @@ at::Tensor nystrom_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::
     finish_state<D>(in, st, st.nystrom ? k3_values<T, D>(in, stream) : at::Tensor(), false, stream);
     in.p.out = out.data_ptr();
     if (buffer_attention_on_tensor_cores<D>(in, q.device())) {
-      launch_buffer_attention<D>(tc::nystrom_out_tc_fwd_kernel<T, D>, in.p, in, q.device(), stream);
+      launch_query_tiles(tc::nystrom_out_tc_fwd_kernel<T, D>, in.p, tc::OutSmem<D>::bytes(in.p.slots), in, q.device(),
+                         stream);
     } else {
       const dim3 grid(static_cast<unsigned>(div_up(in.n, OutTiles<D>::BQ)), static_cast<unsigned>(in.hq),
                       static_cast<unsigned>(in.batch));

@@ -276,12 +276,11 @@ bool buffer_attention_on_tensor_cores(const Inputs& in, const c10::Device& devic
   return tensor_cores_enabled() && tc::OutSmem<D>::bytes(in.p.slots) <= shared_memory_limit(device);
 }
 
-// Launch one of the buffer-attention kernels on tensor cores (tc::attend_tiles): blocks stage their head's buffer
-// once and take every gridDim.x-th query tile, about 4 blocks per SM in all.
-template <int D, typename Arg>
-void launch_buffer_attention(void (*kernel)(Arg), const Arg& arg, const Inputs& in, const c10::Device& device,
-                             cudaStream_t stream) {
-  const int bytes = tc::OutSmem<D>::bytes(in.p.slots);
+// Launch a tensor-core kernel over query tiles (tc::attend_tiles, the dq kernel) with `bytes` of dynamic shared
+// memory: blocks stage their head's buffer once and take every gridDim.x-th query tile, about 4 blocks per SM in all.
+template <typename Arg>
+void launch_query_tiles(void (*kernel)(Arg), const Arg& arg, int bytes, const Inputs& in, const c10::Device& device,
+                        cudaStream_t stream) {
   const int64_t tiles = div_up(in.n, tc::kBQ);
   const int64_t per_head = std::min(tiles, std::max<int64_t>(1, div_up(4 * multiprocessor_count(device),
                                                                        in.batch * in.hq)));

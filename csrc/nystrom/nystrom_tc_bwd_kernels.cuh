@@ -7,6 +7,9 @@
 //                                dS1 = K1 ∘ (dO valsᵀ − Δ1); 4 warps x 16 slots, the slots' fp32 keys and values in
 //                                two 16-bit halves as A operands, 64-query (D 128: 32) q and dO tiles (with lse1, Δ1)
 //                                double-buffered by cp.async; Kᵀ and dS1ᵀ in two halves against exact q, dO
+//   nystrom_dq_tc_bwd_kernel     per (blocks per head, q head, b): the head's keys and values in 16-bit halves staged
+//                                once, then every gridDim.x-th 128-query tile: dq = √scale (dS1 keys + the landmark
+//                                term), dS1 in two halves against the key halves (three m16n8k16)
 #pragma once
 
 #include <cstdint>
@@ -193,6 +196,141 @@ __global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bw
     for (int dn = 0; dn < D / 8; ++dn) {
       dv[4 * dn + t] = make_float2(dvals[dn][2 * r], dvals[dn][2 * r + 1]);
       dk[4 * dn + t] = make_float2(dkeys[dn][2 * r] * p.root, dkeys[dn][2 * r + 1] * p.root);  // q_s = q √scale
+    }
+  }
+}
+
+// Dynamic shared memory of the dq kernel for `slots` buffer rows (padded to 16): keys hi, lo and vals hi, lo
+// [rows][D + 8] T, then the q and dO tiles [kBQ][D + 8] T.
+template <int D> struct DqSmem {
+  static constexpr int kRow = D + 8;
+  static __host__ __device__ int rows(int slots) { return (slots + 15) / 16 * 16; }
+  static __host__ __device__ int bytes(int slots) { return 4 * rows(slots) * kRow * 2 + 2 * kBQ * kRow * 2; }
+};
+
+// Grid (blocks per head, Hq, B) as the output kernel, 256 threads.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_dq_tc_bwd_kernel(const BwdParams bp) {
+  using S = DqSmem<D>;
+  constexpr int kRow = S::kRow;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const Params& p = bp.p;
+  const int tiles = (p.n + kBQ - 1) / kBQ;
+  if (static_cast<int>(blockIdx.x) >= tiles) return;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const long long bh = (long long)b * p.hq + h;
+  const int nvalid = p.nvalid[b], rows = S::rows(p.slots);
+  uint16_t* khi = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* klo = khi + rows * kRow;
+  uint16_t* vhi = klo + rows * kRow;
+  uint16_t* vlo = vhi + rows * kRow;
+  uint16_t* qs = vlo + rows * kRow;
+  uint16_t* dos = qs + kBQ * kRow;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
+  const T* dout = static_cast<const T*>(bp.dout) + bh * p.n * D;
+  const float scale_log2 = p.root * kLog2e;
+  split_rows<T, D, kThreads>(p.keys + bh * p.slots * D, nvalid, rows, khi, klo);
+  split_rows<T, D, kThreads>(p.vals + bh * p.slots * D, nvalid, rows, vhi, vlo);
+  const bool landmark = bp.landmarks && !bp.exact[b];
+  const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;  // A by ldmatrix
+  const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;               // B: slot rows as n
+  const int trow = (lane & 7) + ((lane >> 3) & 1) * 8, tcol = (lane >> 4) * 8;               // B trans: slot rows as k
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int q0 = tile * kBQ, n = p.n;
+    __syncthreads();  // the previous tile's readers are done (at the first: the staged buffer is written)
+    mma::load_rows_async<kBQ, D, kThreads>(qs, q, p.sq.n, q0, [=](int r) { return q0 + r < n; });
+    mma::load_rows_async<kBQ, D, kThreads>(dos, dout, D, q0, [=](int r) { return q0 + r < n; });
+    float lse[2], delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = q0 + 16 * warp + g + 8 * r;
+      lse[r] = row < n ? bp.lse1[bh * n + row] : 0.f;
+      delta[r] = row < n ? bp.delta1[bh * n + row] : 0.f;
+    }
+    mma::cp_async_wait_all();
+    __syncthreads();
+
+    float acc[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.f;
+    for (int c0 = 0; c0 < nvalid; c0 += kChunk) {
+      float s[kChunk / 8][4], dp[kChunk / 8][4];
+#pragma unroll
+      for (int j = 0; j < kChunk / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) {
+        uint32_t aq[4], ad[4];
+        mma::ldsm_x4(aq, qs + arow * kRow + 16 * kc + acol);
+        mma::ldsm_x4(ad, dos + arow * kRow + 16 * kc + acol);
+#pragma unroll
+        for (int jj = 0; jj < kChunk / 16; ++jj) {
+          if (c0 + 16 * jj >= nvalid) continue;
+          const int off = (c0 + 16 * jj + brow) * kRow + 16 * kc + bcol;
+          uint32_t bf[4];
+#pragma unroll
+          for (int part = 0; part < 4; ++part) {  // keys hi, lo against q; vals hi, lo against dO
+            mma::ldsm_x4(bf, (part == 0 ? khi : part == 1 ? klo : part == 2 ? vhi : vlo) + off);
+            float(&acc_s)[kChunk / 8][4] = part < 2 ? s : dp;
+            mma::m16n8k16(acc_s[2 * jj], part < 2 ? aq : ad, {bf[0], bf[1]}, T());
+            mma::m16n8k16(acc_s[2 * jj + 1], part < 2 ? aq : ad, {bf[2], bf[3]}, T());
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kChunk / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // row g + 8 (e / 2), slot c0 + 8 j + 2 t + e % 2
+          const bool ok = c0 + 8 * j + 2 * t + (e & 1) < nvalid;
+          const float pr = ok ? exp2f(fmaf(s[j][e], scale_log2, -lse[e >> 1])) : 0.f;
+          dp[j][e] = pr * (dp[j][e] - delta[e >> 1]);
+        }
+#pragma unroll
+      for (int kc = 0; kc < kChunk / 16; ++kc) {
+        if (c0 + 16 * kc >= nvalid) continue;
+        uint32_t dhi[4], dlo[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {  // e: (row g, slots 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
+          const int j = 2 * kc + e / 2, c = 2 * (e % 2);
+          split_pair<T>(dp[j][c], dp[j][c + 1], dhi[e], dlo[e]);
+        }
+#pragma unroll
+        for (int dn = 0; dn < D / 16; ++dn) {
+          const int off = (c0 + 16 * kc + trow) * kRow + 16 * dn + tcol;
+          uint32_t bh4[4], bl4[4];
+          mma::ldsm_x4_trans(bh4, khi + off);
+          mma::ldsm_x4_trans(bl4, klo + off);
+          mma::m16n8k16(acc[2 * dn], dhi, {bh4[0], bh4[1]}, T());
+          mma::m16n8k16(acc[2 * dn + 1], dhi, {bh4[2], bh4[3]}, T());
+          mma::m16n8k16(acc[2 * dn], dhi, {bl4[0], bl4[1]}, T());
+          mma::m16n8k16(acc[2 * dn + 1], dhi, {bl4[2], bl4[3]}, T());
+          mma::m16n8k16(acc[2 * dn], dlo, {bh4[0], bh4[1]}, T());
+          mma::m16n8k16(acc[2 * dn + 1], dlo, {bh4[2], bh4[3]}, T());
+        }
+      }
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = q0 + 16 * warp + g + 8 * r;
+      if (row >= n) continue;
+      float2 res[D / 8];
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) res[dn] = make_float2(acc[dn][2 * r], acc[dn][2 * r + 1]);
+      const int rank = landmark ? real_rank(bp, b, row) : -1;
+      if (rank >= 0) {  // a real token of a landmark sequence: its landmark query's gradient
+        int lt;
+        const float share = segment_share(p, b, rank, lt);
+        const float* dql = bp.dql + (bh * p.m + lt) * D;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) add_row(res[dn], dql, 4 * dn + t, share);
+      }
+      unsigned* dst = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dq) + (bh * n + row) * D);
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn)  // q_s = q √scale
+        dst[4 * dn + t] = Pair<T>::from_float2(make_float2(res[dn].x * p.root, res[dn].y * p.root));
     }
   }
 }
