@@ -402,6 +402,76 @@ def dq_case(D, slots, nvalid, seed):
     return np.abs(got - want).max() / np.abs(want).max()
 
 
+def emulate_k3_bwd(land, dw0, k, v, real, lse, rowdot, scale_log2):
+    """land, dw0 (64, D) one block's landmarks; k, v (n, D) the split's keys; real (n,) bool; exact.
+    Returns dS3 k (64, D) before the √scale factor."""
+    n, D = k.shape
+    kRow = D + 8
+    flat = lambda a: np.concatenate([a, np.zeros((a.shape[0], kRow - D))], 1).ravel()
+    halves = [flat(land), np.zeros(64 * kRow), flat(dw0), np.zeros(64 * kRow)]
+    out = np.zeros((64, D))
+    lane = np.arange(32)
+    arow, acol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
+    brow, bcol = (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8
+    trow, tcol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
+    for warp in range(4):
+        ls = [lse[16 * warp + G + 8 * r] for r in range(2)]
+        rd = [rowdot[16 * warp + G + 8 * r] for r in range(2)]
+        acc = [np.zeros((32, 4)) for _ in range(D // 8)]
+        for k0 in range(0, n, 64):
+            count = min(64, n - k0)
+            kt, vt = np.zeros((64, D)), np.zeros((64, D))
+            kt[:count], vt[:count] = k[k0:k0 + count], v[k0:k0 + count]
+            kt, vt = flat(kt), flat(vt)
+            bias = np.full(64, -np.inf)
+            bias[:count] = np.where(real[k0:k0 + count], 0.0, -np.inf)
+            s = [np.zeros((32, 4)) for _ in range(8)]
+            dp = [np.zeros((32, 4)) for _ in range(8)]
+            for kc in range(D // 16):
+                a = [ldsm_x4(half, (16 * warp + arow) * kRow + 16 * kc + acol) for half in halves]
+                for jj in range(4):
+                    bk = ldsm_x4(kt, (16 * jj + brow) * kRow + 16 * kc + bcol)
+                    bv = ldsm_x4(vt, (16 * jj + brow) * kRow + 16 * kc + bcol)
+                    for part in range(2):
+                        mma16816(s[2 * jj], a[part], [bk[0], bk[1]])
+                        mma16816(s[2 * jj + 1], a[part], [bk[2], bk[3]])
+                        mma16816(dp[2 * jj], a[2 + part], [bv[0], bv[1]])
+                        mma16816(dp[2 * jj + 1], a[2 + part], [bv[2], bv[3]])
+            for j in range(8):
+                for e in range(4):
+                    pr = np.exp2(s[j][:, e] * scale_log2 + bias[8 * j + 2 * TT + (e & 1)] - ls[e >> 1])
+                    dp[j][:, e] = pr * (dp[j][:, e] - rd[e >> 1])
+            for kc in range(4):
+                da = []
+                for e in range(4):
+                    j, c = 2 * kc + e // 2, 2 * (e % 2)
+                    da.append(np.stack([dp[j][:, c], dp[j][:, c + 1]], 1))
+                for dn in range(D // 16):
+                    bk = ldsm_x4_trans(kt, (16 * kc + trow) * kRow + 16 * dn + tcol)
+                    mma16816(acc[2 * dn], da, [bk[0], bk[1]])
+                    mma16816(acc[2 * dn + 1], da, [bk[2], bk[3]])
+        for r in range(2):
+            row = 16 * warp + G + 8 * r
+            for dn in range(D // 8):
+                out[row, 8 * dn + 2 * TT], out[row, 8 * dn + 2 * TT + 1] = acc[dn][:, 2 * r], acc[dn][:, 2 * r + 1]
+    return out
+
+
+def k3_bwd_case(D, n, seed):
+    rng = np.random.default_rng(seed)
+    land = rng.standard_normal((64, D)) * D ** -0.25
+    dw0 = rng.standard_normal((64, D))
+    k, v = rng.standard_normal((n, D)), rng.standard_normal((n, D))
+    real = rng.random(n) < 0.7
+    scale_log2 = D ** -0.25 * 1.4426950408889634
+    s = land @ k[real].T * scale_log2
+    lse = np.log2(np.exp2(s).sum(1))
+    rowdot = rng.standard_normal(64)
+    want = (np.exp2(s - lse[:, None]) * (dw0 @ v[real].T - rowdot[:, None])) @ k[real]
+    got = emulate_k3_bwd(land, dw0, k, v, real, lse, rowdot, scale_log2)
+    return np.abs(got - want).max() / np.abs(want).max()
+
+
 def main():
     for D, slots, nvalid in [(32, 7, 7), (64, 32, 32), (64, 128, 100), (128, 64, 64), (64, 128, 65), (32, 16, 0),
                              (128, 128, 128)]:
@@ -426,6 +496,10 @@ def main():
     for D, slots, nvalid in [(32, 7, 7), (64, 128, 100), (128, 64, 50), (64, 32, 32)]:
         err = dq_case(D, slots, nvalid, D + slots)
         print(f"dq exact   D={D:3d} slots={slots:3d} nvalid={nvalid:3d}: max relative error {err:.1e}")
+        assert err < 1e-12, "indexing"
+    for D, n in [(32, 150), (64, 64), (128, 100)]:
+        err = k3_bwd_case(D, n, D + n)
+        print(f"K3 bwd exact D={D:3d} keys={n:3d}: max relative error {err:.1e}")
         assert err < 1e-12, "indexing"
 
 

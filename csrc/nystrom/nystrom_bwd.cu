@@ -164,17 +164,25 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     rowdot = dw0.mul(st.w0).sum(-1).contiguous();  // Σ_j K3[l, j] (dW0 vᵀ)[l, j] = dW0[l] · W0[l]
     const at::Tensor ds2 = softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz, stream));
     dkl = ungroup(in, dkeys.masked_fill(ex, 0.0).add(tr(ds2).matmul(st.q_land))).contiguous();
-    constexpr int BL = K3BwdTiles<D>::BL;
-    const int64_t ltiles = div_up(m, BL);
-    const auto [b_splits, b_chunk] = split_plan(N, K3BwdTiles<D>::BK, ltiles * bh);
+    constexpr int k3_tc_bytes = tc::K3BwdSmem<D>::bytes;  // 41 / 73 / 137 KB at D 32 / 64 / 128
+    const bool k3_tc = tensor_cores_enabled() && k3_tc_bytes <= shared_memory_limit(device);
+    const int64_t ltiles = div_up(m, k3_tc ? tc::kK3Rows : K3BwdTiles<D>::BL);
+    const auto [b_splits, b_chunk] = split_plan(N, k3_tc ? tc::kK3Keys : K3BwdTiles<D>::BK, ltiles * bh);
     part_dql = at::empty({b_splits, B, Hq, m, in.d}, f32);
     bp.dw0 = dw0.data_ptr<float>();
     bp.lse3 = lse3.data_ptr<float>();
     bp.rowdot = rowdot.data_ptr<float>();
     bp.b_chunk = static_cast<int>(b_chunk);
     bp.part_dql = part_dql.data_ptr<float>();
-    launch_with_smem<typename K3BwdTiles<D>::Smem>(nystrom_k3_bwd_kernel<T, D>, grid_of(b_splits, ltiles, bh), bp,
-                                                   stream);
+    if (k3_tc) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(tc::nystrom_k3_tc_bwd_kernel<T, D>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, k3_tc_bytes));
+      tc::nystrom_k3_tc_bwd_kernel<T, D><<<grid_of(b_splits, ltiles, bh), tc::kK3Threads, k3_tc_bytes, stream>>>(bp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      launch_with_smem<typename K3BwdTiles<D>::Smem>(nystrom_k3_bwd_kernel<T, D>, grid_of(b_splits, ltiles, bh), bp,
+                                                     stream);
+    }
     dql = part_dql.sum(0).add(ds2.matmul(st.k_land_g)).contiguous();
     bp.dkl = dkl.data_ptr<float>();
     bp.dql = dql.data_ptr<float>();

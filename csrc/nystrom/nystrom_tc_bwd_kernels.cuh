@@ -7,6 +7,9 @@
 //                                dS1 = K1 ∘ (dO valsᵀ − Δ1); 4 warps x 16 slots, the slots' fp32 keys and values in
 //                                two 16-bit halves as A operands, 64-query (D 128: 32) q and dO tiles (with lse1, Δ1)
 //                                double-buffered by cp.async; Kᵀ and dS1ᵀ in two halves against exact q, dO
+//   nystrom_k3_tc_bwd_kernel     per (key split, 64 landmarks, b h): partial dQ̃ = dS3 k_s, dS3 = K3 ∘ (dW0 vᵀ − rowdot);
+//                                the landmarks and dW0 (fp32) staged in 16-bit halves, 64-key k and v tiles with their
+//                                padding bias double-buffered by cp.async; dS3 in halves against exact k
 //   nystrom_dq_tc_bwd_kernel     per (blocks per head, q head, b): the head's keys and values in 16-bit halves staged
 //                                once, then every gridDim.x-th 128-query tile: dq = √scale (dS1 keys + the landmark
 //                                term), dS1 in two halves against the key halves (three m16n8k16)
@@ -197,6 +200,138 @@ __global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bw
       dv[4 * dn + t] = make_float2(dvals[dn][2 * r], dvals[dn][2 * r + 1]);
       dk[4 * dn + t] = make_float2(dkeys[dn][2 * r] * p.root, dkeys[dn][2 * r + 1] * p.root);  // q_s = q √scale
     }
+  }
+}
+
+// Dynamic shared memory of the k3 kernel: landmarks hi, lo and dW0 hi, lo [64][D + 8] T; 2 buffers x (k, v)
+// [64][D + 8] T; 2 buffers x the keys' padding bias [64] fp32.
+template <int D> struct K3BwdSmem {
+  static constexpr int kRow = D + 8, kTile = kK3Rows * kRow;
+  static_assert(kK3Rows == kK3Keys, "one tile shape");
+  static constexpr int bytes = 8 * kTile * 2 + 2 * kK3Keys * 4;
+};
+
+// Grid (splits, ceil(m / 64), B Hq), 128 threads. Keys [split * b_chunk, min(+b_chunk, N)); exact sequences write
+// zeros.
+template <typename T, int D>
+__global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bwd_kernel(const BwdParams bp) {
+  using S = K3BwdSmem<D>;
+  constexpr int kRow = S::kRow, kTile = S::kTile;
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint16_t* lhi = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* llo = lhi + kTile;
+  uint16_t* whi = llo + kTile;
+  uint16_t* wlo = whi + kTile;
+  uint16_t* tiles = wlo + kTile;                                // [buffer][k, v][64][D + 8]
+  float* bias = reinterpret_cast<float*>(tiles + 4 * kTile);    // [buffer][64]
+  const Params& p = bp.p;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int split = blockIdx.x, l0 = blockIdx.y * kK3Rows, bh = blockIdx.z;
+  const int b = bh / p.hq, h = bh % p.hq, kvh = h / p.groups;
+  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h;
+  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h;
+  const float scale_log2 = p.root * kLog2e;  // landmarks carry √scale, keys not yet
+  const int kbeg = split * bp.b_chunk, kend = bp.exact[b] ? kbeg : min(kbeg + bp.b_chunk, p.n);
+
+  auto load = [&](int k0, int buf) {
+    uint16_t* kt = tiles + 2 * buf * kTile;
+    auto ok = [=](int r) { return k0 + r < kend; };
+    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt, k, p.sk.n, k0, ok);
+    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt + kTile, v, p.sv.n, k0, ok);
+    for (int c = threadIdx.x; c < kK3Keys; c += kK3Threads) {
+      const int j = k0 + c;
+      const bool real = j < kend && (p.mask == nullptr || p.mask[b * p.mask_stride + j]);
+      bias[buf * kK3Keys + c] = real ? 0.f : -inf();
+    }
+  };
+  if (kbeg < kend) load(kbeg, 0);
+  const long long land0 = (long long)bh * p.m + l0;
+  const int count = max(min(p.m - l0, kK3Rows), 0);
+  split_rows<T, D, kK3Threads>(p.q_land + land0 * D, count, kK3Rows, lhi, llo);
+  split_rows<T, D, kK3Threads>(bp.dw0 + land0 * D, count, kK3Rows, whi, wlo);
+  float lse[2], rd[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = l0 + 16 * warp + g + 8 * r;
+    lse[r] = row < p.m ? bp.lse3[(long long)bh * p.m + row] : 0.f;
+    rd[r] = row < p.m ? bp.rowdot[(long long)bh * p.m + row] : 0.f;
+  }
+  float acc[D / 8][4];
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.f;
+  const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;  // A by ldmatrix
+  const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;               // B: key rows as n
+  const int trow = (lane & 7) + ((lane >> 3) & 1) * 8, tcol = (lane >> 4) * 8;               // B trans: key rows as k
+  int buf = 0;
+  for (int k0 = kbeg; k0 < kend; k0 += kK3Keys, buf ^= 1) {
+    mma::cp_async_wait_all();
+    __syncthreads();  // this tile (and, at the first, the staged rows) is in; every warp is done with the other buffer
+    if (k0 + kK3Keys < kend) load(k0 + kK3Keys, buf ^ 1);
+    const uint16_t* kt = tiles + 2 * buf * kTile;
+    const uint16_t* vt = kt + kTile;
+    const float* bt = bias + buf * kK3Keys;
+    float s[kK3Keys / 8][4], dp[kK3Keys / 8][4];  // S3 = Q̃ kᵀ, dP3 = dW0 vᵀ (landmarks x keys)
+#pragma unroll
+    for (int j = 0; j < kK3Keys / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+      uint32_t a[4][4];  // landmarks hi, lo, dW0 hi, lo
+      mma::ldsm_x4(a[0], lhi + arow * kRow + 16 * kc + acol);
+      mma::ldsm_x4(a[1], llo + arow * kRow + 16 * kc + acol);
+      mma::ldsm_x4(a[2], whi + arow * kRow + 16 * kc + acol);
+      mma::ldsm_x4(a[3], wlo + arow * kRow + 16 * kc + acol);
+#pragma unroll
+      for (int jj = 0; jj < kK3Keys / 16; ++jj) {
+        uint32_t bk[4], bv[4];
+        mma::ldsm_x4(bk, kt + (16 * jj + brow) * kRow + 16 * kc + bcol);
+        mma::ldsm_x4(bv, vt + (16 * jj + brow) * kRow + 16 * kc + bcol);
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+          mma::m16n8k16(s[2 * jj], a[part], {bk[0], bk[1]}, T());
+          mma::m16n8k16(s[2 * jj + 1], a[part], {bk[2], bk[3]}, T());
+          mma::m16n8k16(dp[2 * jj], a[2 + part], {bv[0], bv[1]}, T());
+          mma::m16n8k16(dp[2 * jj + 1], a[2 + part], {bv[2], bv[3]}, T());
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kK3Keys / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // landmark row g + 8 (e / 2), key column 8 j + 2 t + e % 2
+        const float pr = exp2f(fmaf(s[j][e], scale_log2, bt[8 * j + 2 * t + (e & 1)]) - lse[e >> 1]);
+        dp[j][e] = pr * (dp[j][e] - rd[e >> 1]);
+      }
+#pragma unroll
+    for (int kc = 0; kc < kK3Keys / 16; ++kc) {
+      uint32_t dhi[4], dlo[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // e: (row g, keys 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
+        const int j = 2 * kc + e / 2, c = 2 * (e % 2);
+        split_pair<T>(dp[j][c], dp[j][c + 1], dhi[e], dlo[e]);
+      }
+#pragma unroll
+      for (int dn = 0; dn < D / 16; ++dn) {
+        uint32_t bk[4];
+        mma::ldsm_x4_trans(bk, kt + (16 * kc + trow) * kRow + 16 * dn + tcol);
+        mma::m16n8k16(acc[2 * dn], dhi, {bk[0], bk[1]}, T());
+        mma::m16n8k16(acc[2 * dn + 1], dhi, {bk[2], bk[3]}, T());
+        mma::m16n8k16(acc[2 * dn], dlo, {bk[0], bk[1]}, T());
+        mma::m16n8k16(acc[2 * dn + 1], dlo, {bk[2], bk[3]}, T());
+      }
+    }
+  }
+
+  const long long slab = (long long)split * gridDim.z + bh;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = l0 + 16 * warp + g + 8 * r;
+    if (row >= p.m) continue;
+    float2* dst = reinterpret_cast<float2*>(bp.part_dql + (slab * p.m + row) * D);
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)  // k_s = k √scale
+      dst[4 * dn + t] = make_float2(acc[dn][2 * r] * p.root, acc[dn][2 * r + 1] * p.root);
   }
 }
 
