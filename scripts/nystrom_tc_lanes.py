@@ -472,6 +472,83 @@ def k3_bwd_case(D, n, seed):
     return np.abs(got - want).max() / np.abs(want).max()
 
 
+def emulate_kv(k, v, real, land, dw0, lse, rowdot, scale_log2, kLand):
+    """k, v (64, D) one block's keys (exact); real (64,) bool; land, dw0 (m, D), lse, rowdot (m,) one q head.
+    Returns (K3ᵀ dW0, dS3ᵀ Q̃) (64, D) each, as the kernel accumulates them before the epilogue."""
+    D, m = k.shape[1], land.shape[0]
+    kRow = D + 8
+    flat = lambda a: np.concatenate([a, np.zeros((a.shape[0], kRow - D))], 1).ravel()
+    kt, vt = flat(k), flat(v)
+    out_v, out_k = np.zeros((64, D)), np.zeros((64, D))
+    lane = np.arange(32)
+    arow, acol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
+    brow, bcol = (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8
+    trow, tcol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
+    for warp in range(4):
+        bias = [np.where(real[16 * warp + G + 8 * r], 0.0, -np.inf) for r in range(2)]
+        dv = [np.zeros((32, 4)) for _ in range(D // 8)]
+        dk = [np.zeros((32, 4)) for _ in range(D // 8)]
+        for l0 in range(0, m, kLand):
+            count = min(m - l0, kLand)
+            tiles = []
+            for src in (land, dw0):
+                t = np.zeros((kLand, D))
+                t[:count] = src[l0:l0 + count]
+                tiles += [flat(t), np.zeros(kLand * kRow)]  # hi, lo
+            ls, rd = np.zeros(kLand), np.zeros(kLand)
+            ls[:count], rd[:count] = lse[l0:l0 + count], rowdot[l0:l0 + count]
+            s = [np.zeros((32, 4)) for _ in range(kLand // 8)]
+            dp = [np.zeros((32, 4)) for _ in range(kLand // 8)]
+            for kc in range(D // 16):
+                ak = ldsm_x4(kt, (16 * warp + arow) * kRow + 16 * kc + acol)
+                av = ldsm_x4(vt, (16 * warp + arow) * kRow + 16 * kc + acol)
+                for jj in range(kLand // 16):
+                    if l0 + 16 * jj >= m:
+                        continue
+                    off = (16 * jj + brow) * kRow + 16 * kc + bcol
+                    for part in range(4):
+                        bf = ldsm_x4(tiles[part], off)
+                        target, a = (s, ak) if part < 2 else (dp, av)
+                        mma16816(target[2 * jj], a, [bf[0], bf[1]])
+                        mma16816(target[2 * jj + 1], a, [bf[2], bf[3]])
+            for c in range(kLand // 8):
+                for e in range(4):
+                    col = 8 * c + 2 * TT + (e & 1)
+                    pr = np.where(col < count, np.exp2(s[c][:, e] * scale_log2 + bias[e >> 1] - ls[col]), 0.0)
+                    s[c][:, e] = pr
+                    dp[c][:, e] = pr * (dp[c][:, e] - rd[col])
+            for acc, x, half in ((dv, s, tiles[2]), (dk, dp, tiles[0])):
+                for kc in range(kLand // 16):
+                    xa = []
+                    for e in range(4):
+                        j, c = 2 * kc + e // 2, 2 * (e % 2)
+                        xa.append(np.stack([x[j][:, c], x[j][:, c + 1]], 1))
+                    for dn in range(D // 16):
+                        bk = ldsm_x4_trans(half, (16 * kc + trow) * kRow + 16 * dn + tcol)
+                        mma16816(acc[2 * dn], xa, [bk[0], bk[1]])
+                        mma16816(acc[2 * dn + 1], xa, [bk[2], bk[3]])
+        for r in range(2):
+            row = 16 * warp + G + 8 * r
+            for dn in range(D // 8):
+                for out, acc in ((out_v, dv), (out_k, dk)):
+                    out[row, 8 * dn + 2 * TT], out[row, 8 * dn + 2 * TT + 1] = acc[dn][:, 2 * r], acc[dn][:, 2 * r + 1]
+    return out_v, out_k
+
+
+def kv_case(D, m, seed):
+    rng = np.random.default_rng(seed)
+    k, v = rng.standard_normal((64, D)), rng.standard_normal((64, D))
+    real = rng.random(64) < 0.8
+    land, dw0 = rng.standard_normal((m, D)) * D ** -0.25, rng.standard_normal((m, D))
+    scale_log2 = D ** -0.25 * 1.4426950408889634
+    lse, rowdot = rng.standard_normal(m) + 3.0, rng.standard_normal(m)
+    p = np.where(real[:, None], np.exp2(k @ land.T * scale_log2 - lse[None, :]), 0.0)  # K3ᵀ (keys x landmarks)
+    want_v = p @ dw0
+    want_k = (p * (v @ dw0.T - rowdot[None, :])) @ land
+    got_v, got_k = emulate_kv(k, v, real, land, dw0, lse, rowdot, scale_log2, 32 if D == 128 else 64)
+    return max(np.abs(got_v - want_v).max() / np.abs(want_v).max(), np.abs(got_k - want_k).max() / np.abs(want_k).max())
+
+
 def main():
     for D, slots, nvalid in [(32, 7, 7), (64, 32, 32), (64, 128, 100), (128, 64, 64), (64, 128, 65), (32, 16, 0),
                              (128, 128, 128)]:
@@ -500,6 +577,10 @@ def main():
     for D, n in [(32, 150), (64, 64), (128, 100)]:
         err = k3_bwd_case(D, n, D + n)
         print(f"K3 bwd exact D={D:3d} keys={n:3d}: max relative error {err:.1e}")
+        assert err < 1e-12, "indexing"
+    for D, m in [(32, 40), (64, 128), (128, 100), (128, 16)]:
+        err = kv_case(D, m, D + m)
+        print(f"kv exact   D={D:3d} landmarks={m:3d}: max relative error of dv, dk {err:.1e}")
         assert err < 1e-12, "indexing"
 
 

@@ -188,8 +188,17 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     bp.dql = dql.data_ptr<float>();
   }
 
-  launch_with_smem<typename KvTiles<D>::Smem>(nystrom_kv_bwd_kernel<T, D>,
-                                              grid_of(div_up(N, KvTiles<D>::BK), in.hkv, B), bp, stream);
+  constexpr int kv_tc_bytes = tc::KvSmem<D>::bytes;  // 31 / 55 / 69 KB at D 32 / 64 / 128
+  if (tensor_cores_enabled() && kv_tc_bytes <= shared_memory_limit(device)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(tc::nystrom_kv_tc_bwd_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kv_tc_bytes));
+    tc::nystrom_kv_tc_bwd_kernel<T, D><<<grid_of(div_up(N, tc::kK3Keys), in.hkv, B), tc::kK3Threads, kv_tc_bytes,
+                                         stream>>>(bp);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    launch_with_smem<typename KvTiles<D>::Smem>(nystrom_kv_bwd_kernel<T, D>,
+                                                grid_of(div_up(N, KvTiles<D>::BK), in.hkv, B), bp, stream);
+  }
   const int dq_tc_bytes = tc::DqSmem<D>::bytes(in.p.slots);  // 54 KB at D 64, m 32; 136 KB at D 128, m 64
   if (tensor_cores_enabled() && dq_tc_bytes <= shared_memory_limit(device)) {
     launch_query_tiles(tc::nystrom_dq_tc_bwd_kernel<T, D>, bp, dq_tc_bytes, in, device, stream);

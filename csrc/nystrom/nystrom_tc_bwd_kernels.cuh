@@ -10,6 +10,10 @@
 //   nystrom_k3_tc_bwd_kernel     per (key split, 64 landmarks, b h): partial dQ̃ = dS3 k_s, dS3 = K3 ∘ (dW0 vᵀ − rowdot);
 //                                the landmarks and dW0 (fp32) staged in 16-bit halves, 64-key k and v tiles with their
 //                                padding bias double-buffered by cp.async; dS3 in halves against exact k
+//   nystrom_kv_tc_bwd_kernel     per (64 keys, kv head, b): dk, dv (one writer per row) as nystrom_kv_bwd_kernel; for
+//                                landmark sequences the keys' and values' rows (exact) as A operands against each q
+//                                head's landmarks and dW0 (staged in 16-bit halves, 64 at a time): K3ᵀ dW0 and
+//                                dS3ᵀ Q̃ with K3, dS3 in halves against the halves (three m16n8k16 each)
 //   nystrom_dq_tc_bwd_kernel     per (blocks per head, q head, b): the head's keys and values in 16-bit halves staged
 //                                once, then every gridDim.x-th 128-query tile: dq = √scale (dS1 keys + the landmark
 //                                term), dS1 in two halves against the key halves (three m16n8k16)
@@ -332,6 +336,197 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bw
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn)  // k_s = k √scale
       dst[4 * dn + t] = make_float2(acc[dn][2 * r] * p.root, acc[dn][2 * r + 1] * p.root);
+  }
+}
+
+// Dynamic shared memory of the dk/dv kernel: k, v [64][D + 8] T (the block's keys); landmarks hi, lo and dW0 hi, lo
+// [kLand][D + 8] T (one q head's tile of kLand landmarks: 32 at D 128, where the two D-wide accumulators take 128
+// registers, else 64); lse3, rowdot [kLand] fp32.
+template <int D> struct KvSmem {
+  static constexpr int kLand = D == 128 ? 32 : 64;
+  static constexpr int kRow = D + 8, kKeyTile = kK3Keys * kRow, kLandTile = kLand * kRow;
+  static constexpr int bytes = 2 * kKeyTile * 2 + 4 * kLandTile * 2 + 2 * kLand * 4;
+};
+
+// acc (16 x D) += x (16 x 8 NT, C layout, fp32) times rows [0, 8 NT) of the 16-bit halves hi + lo ([.][D + 8], rows
+// as the k index, by ldmatrix.trans), x in two halves: x_hi hi + x_hi lo + x_lo hi.
+template <typename T, int D, int NT>
+__device__ __forceinline__ void halves_product(float (&acc)[D / 8][4], const float (&x)[NT][4], const uint16_t* hi,
+                                               const uint16_t* lo, int lane) {
+  constexpr int kRow = D + 8;
+  const int trow = (lane & 7) + ((lane >> 3) & 1) * 8, tcol = (lane >> 4) * 8;
+#pragma unroll
+  for (int kc = 0; kc < NT / 2; ++kc) {
+    uint32_t xhi[4], xlo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // e: (row g, k 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
+      const int j = 2 * kc + e / 2, c = 2 * (e % 2);
+      split_pair<T>(x[j][c], x[j][c + 1], xhi[e], xlo[e]);
+    }
+#pragma unroll
+    for (int dn = 0; dn < D / 16; ++dn) {
+      const int off = (16 * kc + trow) * kRow + 16 * dn + tcol;
+      uint32_t bh4[4], bl4[4];
+      mma::ldsm_x4_trans(bh4, hi + off);
+      mma::ldsm_x4_trans(bl4, lo + off);
+      mma::m16n8k16(acc[2 * dn], xhi, {bh4[0], bh4[1]}, T());
+      mma::m16n8k16(acc[2 * dn + 1], xhi, {bh4[2], bh4[3]}, T());
+      mma::m16n8k16(acc[2 * dn], xhi, {bl4[0], bl4[1]}, T());
+      mma::m16n8k16(acc[2 * dn + 1], xhi, {bl4[2], bl4[3]}, T());
+      mma::m16n8k16(acc[2 * dn], xlo, {bh4[0], bh4[1]}, T());
+      mma::m16n8k16(acc[2 * dn + 1], xlo, {bh4[2], bh4[3]}, T());
+    }
+  }
+}
+
+// Grid (ceil(N / 64), Hkv, B), 128 threads.
+template <typename T, int D>
+__global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bwd_kernel(const BwdParams bp) {
+  using S = KvSmem<D>;
+  constexpr int kRow = S::kRow, kLand = S::kLand;
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint16_t* kt = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* vt = kt + S::kKeyTile;
+  uint16_t* lhi = vt + S::kKeyTile;
+  uint16_t* llo = lhi + S::kLandTile;
+  uint16_t* whi = llo + S::kLandTile;
+  uint16_t* wlo = whi + S::kLandTile;
+  float* lse = reinterpret_cast<float*>(wlo + S::kLandTile);
+  float* rd = lse + kLand;
+  const Params& p = bp.p;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int j0 = blockIdx.x * kK3Keys, kvh = blockIdx.y, b = blockIdx.z;
+  const long long bg = (long long)b * p.hkv + kvh;
+  const bool landmark = bp.landmarks && !bp.exact[b];
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[dn][e] = dv[dn][e] = 0.f;
+  float bias[2];  // 0 / -inf for this lane's key rows g, g + 8
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = j0 + 16 * warp + g + 8 * r;
+    bias[r] = j < p.n && (p.mask == nullptr || p.mask[b * p.mask_stride + j]) ? 0.f : -inf();
+  }
+
+  if (landmark) {
+    const int n = p.n;
+    auto ok = [=](int r) { return j0 + r < n; };
+    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt, static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h, p.sk.n,
+                                                 j0, ok);
+    mma::load_rows_async<kK3Keys, D, kK3Threads>(vt, static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h, p.sv.n,
+                                                 j0, ok);
+    const float scale_log2 = p.root * kLog2e;
+    const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;  // A: key rows
+    const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;               // B: landmark rows
+    for (int hi = 0; hi < p.groups; ++hi) {  // the group's q heads in a fixed order
+      const long long bh = (long long)b * p.hq + kvh * p.groups + hi;
+      for (int l0 = 0; l0 < p.m; l0 += kLand) {
+        __syncthreads();  // the previous tile's readers are done
+        const int count = min(p.m - l0, kLand);
+        split_rows<T, D, kK3Threads>(p.q_land + (bh * p.m + l0) * D, count, kLand, lhi, llo);
+        split_rows<T, D, kK3Threads>(bp.dw0 + (bh * p.m + l0) * D, count, kLand, whi, wlo);
+        for (int c = threadIdx.x; c < kLand; c += kK3Threads) {
+          lse[c] = c < count ? bp.lse3[bh * p.m + l0 + c] : 0.f;
+          rd[c] = c < count ? bp.rowdot[bh * p.m + l0 + c] : 0.f;
+        }
+        mma::cp_async_wait_all();  // k, v (the first tile only)
+        __syncthreads();
+        float s[kLand / 8][4], dp[kLand / 8][4];  // S3ᵀ = k Q̃ᵀ, dP3ᵀ = v dW0ᵀ (keys x landmarks)
+#pragma unroll
+        for (int c = 0; c < kLand / 8; ++c)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[c][e] = dp[c][e] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+          uint32_t ak[4], av[4];
+          mma::ldsm_x4(ak, kt + arow * kRow + 16 * kc + acol);
+          mma::ldsm_x4(av, vt + arow * kRow + 16 * kc + acol);
+#pragma unroll
+          for (int jj = 0; jj < kLand / 16; ++jj) {
+            if (l0 + 16 * jj >= p.m) continue;
+            const int off = (16 * jj + brow) * kRow + 16 * kc + bcol;
+            uint32_t bf[4];
+#pragma unroll
+            for (int part = 0; part < 4; ++part) {  // landmarks hi, lo against k; dW0 hi, lo against v
+              mma::ldsm_x4(bf, (part == 0 ? lhi : part == 1 ? llo : part == 2 ? whi : wlo) + off);
+              float(&target)[kLand / 8][4] = part < 2 ? s : dp;
+              mma::m16n8k16(target[2 * jj], part < 2 ? ak : av, {bf[0], bf[1]}, T());
+              mma::m16n8k16(target[2 * jj + 1], part < 2 ? ak : av, {bf[2], bf[3]}, T());
+            }
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < kLand / 8; ++c)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {  // key row g + 8 (e / 2), landmark column 8 c + 2 t + e % 2
+            const int col = 8 * c + 2 * t + (e & 1);
+            const float pr = col < count ? exp2f(fmaf(s[c][e], scale_log2, bias[e >> 1]) - lse[col]) : 0.f;
+            s[c][e] = pr;
+            dp[c][e] = pr * (dp[c][e] - rd[col]);
+          }
+        halves_product<T, D>(dv, s, whi, wlo, lane);   // K3ᵀ dW0
+        halves_product<T, D>(dk, dp, lhi, llo, lane);  // dS3ᵀ Q̃
+      }
+    }
+  }
+
+  const int half = p.ks / 2;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int j = j0 + 16 * warp + g + 8 * r;
+    if (j >= p.n) continue;
+    const int rank = real_rank(bp, b, j);
+    float2 gk[D / 8], gv[D / 8];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) gk[dn] = gv[dn] = make_float2(0.f, 0.f);
+    if (rank >= 0) {
+      if (landmark) {
+        int lt;
+        const float share = segment_share(p, b, rank, lt);
+        const float* dkl = bp.dkl + (bg * p.m + lt) * D;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+          gk[dn] = make_float2(dk[dn][2 * r], dk[dn][2 * r + 1]);
+          gv[dn] = make_float2(dv[dn][2 * r], dv[dn][2 * r + 1]);
+          add_row(gk[dn], dkl, 4 * dn + t, share);
+        }
+      } else if (rank < p.slots) {
+        const float* dkr = bp.dkeys_kv + (bg * p.slots + rank) * D;
+        const float* dvr = bp.dvals_kv + (bg * p.slots + rank) * D;
+#pragma unroll
+        for (int dn = 0; dn < D / 8; ++dn) {
+          add_row(gk[dn], dkr, 4 * dn + t, 1.f);
+          add_row(gv[dn], dvr, 4 * dn + t, 1.f);
+        }
+      }
+      if (p.conv != nullptr) {
+        for (int hi = 0; hi < p.groups; ++hi) {
+          const int h = kvh * p.groups + hi;
+          const T* dout = static_cast<const T*>(bp.dout) + ((long long)b * p.hq + h) * p.n * D;
+          for (int tap = 0; tap < p.ks; ++tap) {
+            const int row = j - tap + half;
+            if (row < 0 || row >= p.n) continue;
+            const float w = p.conv[h * p.ks + tap];
+            const unsigned* drow = reinterpret_cast<const unsigned*>(dout + (long long)row * D);
+#pragma unroll
+            for (int dn = 0; dn < D / 8; ++dn) {
+              const float2 x = Pair<T>::to_float2(drow[4 * dn + t]);
+              gv[dn].x = fmaf(w, x.x, gv[dn].x);
+              gv[dn].y = fmaf(w, x.y, gv[dn].y);
+            }
+          }
+        }
+      }
+    }
+    unsigned* dkrow = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dk) + (bg * p.n + j) * D);
+    unsigned* dvrow = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dv) + (bg * p.n + j) * D);
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {  // k_s = k √scale
+      dkrow[4 * dn + t] = Pair<T>::from_float2(make_float2(gk[dn].x * p.root, gk[dn].y * p.root));
+      dvrow[4 * dn + t] = Pair<T>::from_float2(gv[dn]);
+    }
   }
 }
 
