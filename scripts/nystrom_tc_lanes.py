@@ -247,68 +247,113 @@ def k3_case(D, n, real_fraction, dtype, seed):
     return np.abs(got - want).max() / np.abs(want).max()
 
 
+LANE = np.arange(32)
+AROW, ACOL = (LANE & 7) + ((LANE >> 3) & 1) * 8, (LANE >> 4) * 8  # A fragments by ldmatrix
+BROW, BCOL = (LANE & 7) + (LANE >> 4) * 8, ((LANE >> 3) & 1) * 8  # B: tile rows as n
+TROW, TCOL = (LANE & 7) + ((LANE >> 3) & 1) * 8, (LANE >> 4) * 8  # B by ldmatrix.trans: tile rows as k
+
+
+def flat(a, D):
+    """(rows, D) -> a flat 16-bit tile with rows D + 8 apart."""
+    return np.concatenate([a, np.zeros((a.shape[0], 8))], 1).ravel()
+
+
+def halves(a, D):
+    """The two 16-bit halves of fp32 rows as staged tiles (exact mode: the values and zeros)."""
+    return flat(a, D), np.zeros(a.shape[0] * (D + 8))
+
+
+def halves_scores(a, y, z, warp, NT, D):
+    """tc::halves_scores: s = (a0 + a1) yᵀ, dp = (a2 + a3) zᵀ for the warp's rows; returns (s, dp) as C registers."""
+    kRow = D + 8
+    s = [np.zeros((32, 4)) for _ in range(NT)]
+    dp = [np.zeros((32, 4)) for _ in range(NT)]
+    for kc in range(D // 16):
+        af = [ldsm_x4(t, (16 * warp + AROW) * kRow + 16 * kc + ACOL) for t in a]
+        for jj in range(NT // 2):
+            by = ldsm_x4(y, (16 * jj + BROW) * kRow + 16 * kc + BCOL)
+            bz = ldsm_x4(z, (16 * jj + BROW) * kRow + 16 * kc + BCOL)
+            for part in range(2):
+                mma16816(s[2 * jj], af[part], [by[0], by[1]])
+                mma16816(s[2 * jj + 1], af[part], [by[2], by[3]])
+                mma16816(dp[2 * jj], af[2 + part], [bz[0], bz[1]])
+                mma16816(dp[2 * jj + 1], af[2 + part], [bz[2], bz[3]])
+    return s, dp
+
+
+def scores_against_halves(x, w, b, valid, warp, NT, D):
+    """tc::scores_against_halves: s = x (b0 + b1)ᵀ, dp = w (b2 + b3)ᵀ, n-tile pairs at or past `valid` skipped."""
+    kRow = D + 8
+    s = [np.zeros((32, 4)) for _ in range(NT)]
+    dp = [np.zeros((32, 4)) for _ in range(NT)]
+    for kc in range(D // 16):
+        ax = ldsm_x4(x, (16 * warp + AROW) * kRow + 16 * kc + ACOL)
+        aw = ldsm_x4(w, (16 * warp + AROW) * kRow + 16 * kc + ACOL)
+        for jj in range(NT // 2):
+            if 16 * jj >= valid:
+                continue
+            off = (16 * jj + BROW) * kRow + 16 * kc + BCOL
+            for part in range(2):
+                bs, bd = ldsm_x4(b[part], off), ldsm_x4(b[2 + part], off)
+                mma16816(s[2 * jj], ax, [bs[0], bs[1]])
+                mma16816(s[2 * jj + 1], ax, [bs[2], bs[3]])
+                mma16816(dp[2 * jj], aw, [bd[0], bd[1]])
+                mma16816(dp[2 * jj + 1], aw, [bd[2], bd[3]])
+    return s, dp
+
+
+def halves_product(acc, x, b, b_lo, valid, NT, D):
+    """tc::halves_product: acc += x (b + b_lo) with x's C registers as the A fragments and b by ldmatrix.trans (x exact
+    here: its low half is 0); k-steps at or past `valid` skipped."""
+    kRow = D + 8
+    for kc in range(NT // 2):
+        if 16 * kc >= valid:
+            continue
+        xa = [np.stack([x[2 * kc + e // 2][:, 2 * (e % 2)], x[2 * kc + e // 2][:, 2 * (e % 2) + 1]], 1) for e in range(4)]
+        for dn in range(D // 16):
+            off = (16 * kc + TROW) * kRow + 16 * dn + TCOL
+            for tile in (b,) if b_lo is None else (b, b_lo):
+                bf = ldsm_x4_trans(tile, off)
+                mma16816(acc[2 * dn], xa, [bf[0], bf[1]])
+                mma16816(acc[2 * dn + 1], xa, [bf[2], bf[3]])
+
+
+def c_rows(out, acc, warp, D):
+    """The warp's C-layout accumulators acc[dn] into rows 16 warp + g (+ 8) of out."""
+    for r in range(2):
+        row = 16 * warp + G + 8 * r
+        for dn in range(D // 8):
+            out[row, 8 * dn + 2 * TT], out[row, 8 * dn + 2 * TT + 1] = acc[dn][:, 2 * r], acc[dn][:, 2 * r + 1]
+
+
 def emulate_k1(keys, vals, q, dout, lse, delta, nvalid, scale_log2, kQueries):
     """keys, vals (64, D) one block's slots (rows >= nvalid zero); q, dout (nq, D) the split's queries; lse, delta (nq,).
-    Exact arithmetic (splits exact). Returns the partial (d vals, d keys before the √scale factor), (64, D) each."""
-    D = keys.shape[1]
-    kRow = D + 8
-    nq = q.shape[0]
-    flat = lambda a: np.concatenate([a, np.zeros((a.shape[0], kRow - D))], 1).ravel()
-    khi, klo, vhi, vlo = flat(keys), np.zeros(64 * kRow), flat(vals), np.zeros(64 * kRow)
+    Exact arithmetic. Returns the partial (d vals, d keys before the √scale factor), (64, D) each."""
+    D, nq = keys.shape[1], q.shape[0]
+    a = [*halves(keys, D), *halves(vals, D)]
     dvals, dkeys = np.zeros((64, D)), np.zeros((64, D))
-    lane = np.arange(32)
-    arow, acol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
-    brow, bcol = (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8
-    trow, tcol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
     for warp in range(4):
         dv = [np.zeros((32, 4)) for _ in range(D // 8)]
         dk = [np.zeros((32, 4)) for _ in range(D // 8)]
         slot_ok = [16 * warp + G + 8 * r < nvalid for r in range(2)]
         for q0 in range(0, nq, kQueries):
             count = min(kQueries, nq - q0)
-            qt = np.zeros((kQueries, D))
-            dt = np.zeros((kQueries, D))
+            qt, dt = np.zeros((kQueries, D)), np.zeros((kQueries, D))
             qt[:count], dt[:count] = q[q0:q0 + count], dout[q0:q0 + count]
-            ls, ds = np.zeros(kQueries), np.zeros(kQueries)
-            ls[:count], ds[:count] = lse[q0:q0 + count], delta[q0:q0 + count]
-            qt, dt = flat(qt), flat(dt)
-            s = [np.zeros((32, 4)) for _ in range(kQueries // 8)]
-            dp = [np.zeros((32, 4)) for _ in range(kQueries // 8)]
-            for kc in range(D // 16):
-                a = [ldsm_x4(t, (16 * warp + arow) * kRow + 16 * kc + acol) for t in (khi, klo, vhi, vlo)]
-                for jj in range(kQueries // 16):
-                    bq = ldsm_x4(qt, (16 * jj + brow) * kRow + 16 * kc + bcol)
-                    bd = ldsm_x4(dt, (16 * jj + brow) * kRow + 16 * kc + bcol)
-                    for part in range(2):
-                        mma16816(s[2 * jj], a[part], [bq[0], bq[1]])
-                        mma16816(s[2 * jj + 1], a[part], [bq[2], bq[3]])
-                        mma16816(dp[2 * jj], a[2 + part], [bd[0], bd[1]])
-                        mma16816(dp[2 * jj + 1], a[2 + part], [bd[2], bd[3]])
+            qt, dt = flat(qt, D), flat(dt, D)
+            s, dp = halves_scores(a, qt, dt, warp, kQueries // 8, D)
             for j in range(kQueries // 8):
                 for e in range(4):
                     c = 8 * j + 2 * TT + (e & 1)
                     ok = slot_ok[e >> 1] & (c < count)
-                    pr = np.where(ok, np.exp2(s[j][:, e] * scale_log2 - ls[c]), 0.0)
+                    cc = np.minimum(q0 + c, nq - 1)
+                    pr = np.where(ok, np.exp2(s[j][:, e] * scale_log2 - lse[cc]), 0.0)
                     s[j][:, e] = pr
-                    dp[j][:, e] = pr * (dp[j][:, e] - ds[c])
-            for kc in range(kQueries // 16):
-                pa, da = [], []
-                for e in range(4):
-                    j, c = 2 * kc + e // 2, 2 * (e % 2)
-                    pa.append(np.stack([s[j][:, c], s[j][:, c + 1]], 1))
-                    da.append(np.stack([dp[j][:, c], dp[j][:, c + 1]], 1))
-                for dn in range(D // 16):
-                    bd = ldsm_x4_trans(dt, (16 * kc + trow) * kRow + 16 * dn + tcol)
-                    bq = ldsm_x4_trans(qt, (16 * kc + trow) * kRow + 16 * dn + tcol)
-                    mma16816(dv[2 * dn], pa, [bd[0], bd[1]])
-                    mma16816(dv[2 * dn + 1], pa, [bd[2], bd[3]])
-                    mma16816(dk[2 * dn], da, [bq[0], bq[1]])
-                    mma16816(dk[2 * dn + 1], da, [bq[2], bq[3]])
-        for r in range(2):
-            row = 16 * warp + G + 8 * r
-            for dn in range(D // 8):
-                dvals[row, 8 * dn + 2 * TT], dvals[row, 8 * dn + 2 * TT + 1] = dv[dn][:, 2 * r], dv[dn][:, 2 * r + 1]
-                dkeys[row, 8 * dn + 2 * TT], dkeys[row, 8 * dn + 2 * TT + 1] = dk[dn][:, 2 * r], dk[dn][:, 2 * r + 1]
+                    dp[j][:, e] = pr * (dp[j][:, e] - delta[cc])
+            halves_product(dv, s, dt, None, kQueries, kQueries // 8, D)
+            halves_product(dk, dp, qt, None, kQueries, kQueries // 8, D)
+        c_rows(dvals, dv, warp, D)
+        c_rows(dkeys, dk, warp, D)
     return dvals, dkeys
 
 
@@ -332,57 +377,25 @@ def k1_case(D, nq, nvalid, seed):
 
 def emulate_dq(q, dout, keys, vals, lse, delta, nvalid, scale_log2):
     """q, dout (128, D) one query tile; keys, vals (rows, D) the buffer; exact. Returns dS1 keys (128, D)."""
-    rows, D = keys.shape
+    D = keys.shape[1]
     kRow = D + 8
-    flat = lambda a: np.concatenate([a, np.zeros((a.shape[0], kRow - D))], 1).ravel()
-    halves = [flat(keys), np.zeros(rows * kRow), flat(vals), np.zeros(rows * kRow)]
-    qs, dos = flat(q), flat(dout)
+    b = [*halves(keys, D), *halves(vals, D)]
+    qs, dos = flat(q, D), flat(dout, D)
     out = np.zeros((128, D))
-    lane = np.arange(32)
-    arow, acol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
-    brow, bcol = (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8
-    trow, tcol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
     for warp in range(kWarps):
         ls = [lse[16 * warp + G + 8 * r] for r in range(2)]
         ds = [delta[16 * warp + G + 8 * r] for r in range(2)]
         acc = [np.zeros((32, 4)) for _ in range(D // 8)]
         for c0 in range(0, nvalid, kChunk):
-            s = [np.zeros((32, 4)) for _ in range(kChunk // 8)]
-            dp = [np.zeros((32, 4)) for _ in range(kChunk // 8)]
-            for kc in range(D // 16):
-                aq = ldsm_x4(qs, (16 * warp + arow) * kRow + 16 * kc + acol)
-                ad = ldsm_x4(dos, (16 * warp + arow) * kRow + 16 * kc + acol)
-                for jj in range(kChunk // 16):
-                    if c0 + 16 * jj >= nvalid:
-                        continue
-                    off = (c0 + 16 * jj + brow) * kRow + 16 * kc + bcol
-                    for part in range(4):
-                        bf = ldsm_x4(halves[part], off)
-                        target, a = (s, aq) if part < 2 else (dp, ad)
-                        mma16816(target[2 * jj], a, [bf[0], bf[1]])
-                        mma16816(target[2 * jj + 1], a, [bf[2], bf[3]])
+            bc = [t[c0 * kRow:] for t in b]
+            s, dp = scores_against_halves(qs, dos, bc, nvalid - c0, warp, kChunk // 8, D)
             for j in range(kChunk // 8):
                 for e in range(4):
                     ok = c0 + 8 * j + 2 * TT + (e & 1) < nvalid
                     pr = np.where(ok, np.exp2(s[j][:, e] * scale_log2 - ls[e >> 1]), 0.0)
                     dp[j][:, e] = pr * (dp[j][:, e] - ds[e >> 1])
-            for kc in range(kChunk // 16):
-                if c0 + 16 * kc >= nvalid:
-                    continue
-                da = []
-                for e in range(4):
-                    j, c = 2 * kc + e // 2, 2 * (e % 2)
-                    da.append(np.stack([dp[j][:, c], dp[j][:, c + 1]], 1))
-                for dn in range(D // 16):
-                    off = (c0 + 16 * kc + trow) * kRow + 16 * dn + tcol
-                    for half in (halves[0], halves[1]):
-                        bk = ldsm_x4_trans(half, off)
-                        mma16816(acc[2 * dn], da, [bk[0], bk[1]])
-                        mma16816(acc[2 * dn + 1], da, [bk[2], bk[3]])
-        for r in range(2):
-            row = 16 * warp + G + 8 * r
-            for dn in range(D // 8):
-                out[row, 8 * dn + 2 * TT], out[row, 8 * dn + 2 * TT + 1] = acc[dn][:, 2 * r], acc[dn][:, 2 * r + 1]
+            halves_product(acc, dp, bc[0], bc[1], nvalid - c0, kChunk // 8, D)
+        c_rows(out, acc, warp, D)
     return out
 
 
@@ -406,14 +419,8 @@ def emulate_k3_bwd(land, dw0, k, v, real, lse, rowdot, scale_log2):
     """land, dw0 (64, D) one block's landmarks; k, v (n, D) the split's keys; real (n,) bool; exact.
     Returns dS3 k (64, D) before the √scale factor."""
     n, D = k.shape
-    kRow = D + 8
-    flat = lambda a: np.concatenate([a, np.zeros((a.shape[0], kRow - D))], 1).ravel()
-    halves = [flat(land), np.zeros(64 * kRow), flat(dw0), np.zeros(64 * kRow)]
+    a = [*halves(land, D), *halves(dw0, D)]
     out = np.zeros((64, D))
-    lane = np.arange(32)
-    arow, acol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
-    brow, bcol = (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8
-    trow, tcol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
     for warp in range(4):
         ls = [lse[16 * warp + G + 8 * r] for r in range(2)]
         rd = [rowdot[16 * warp + G + 8 * r] for r in range(2)]
@@ -422,38 +429,16 @@ def emulate_k3_bwd(land, dw0, k, v, real, lse, rowdot, scale_log2):
             count = min(64, n - k0)
             kt, vt = np.zeros((64, D)), np.zeros((64, D))
             kt[:count], vt[:count] = k[k0:k0 + count], v[k0:k0 + count]
-            kt, vt = flat(kt), flat(vt)
+            kt, vt = flat(kt, D), flat(vt, D)
             bias = np.full(64, -np.inf)
             bias[:count] = np.where(real[k0:k0 + count], 0.0, -np.inf)
-            s = [np.zeros((32, 4)) for _ in range(8)]
-            dp = [np.zeros((32, 4)) for _ in range(8)]
-            for kc in range(D // 16):
-                a = [ldsm_x4(half, (16 * warp + arow) * kRow + 16 * kc + acol) for half in halves]
-                for jj in range(4):
-                    bk = ldsm_x4(kt, (16 * jj + brow) * kRow + 16 * kc + bcol)
-                    bv = ldsm_x4(vt, (16 * jj + brow) * kRow + 16 * kc + bcol)
-                    for part in range(2):
-                        mma16816(s[2 * jj], a[part], [bk[0], bk[1]])
-                        mma16816(s[2 * jj + 1], a[part], [bk[2], bk[3]])
-                        mma16816(dp[2 * jj], a[2 + part], [bv[0], bv[1]])
-                        mma16816(dp[2 * jj + 1], a[2 + part], [bv[2], bv[3]])
+            s, dp = halves_scores(a, kt, vt, warp, 8, D)
             for j in range(8):
                 for e in range(4):
                     pr = np.exp2(s[j][:, e] * scale_log2 + bias[8 * j + 2 * TT + (e & 1)] - ls[e >> 1])
                     dp[j][:, e] = pr * (dp[j][:, e] - rd[e >> 1])
-            for kc in range(4):
-                da = []
-                for e in range(4):
-                    j, c = 2 * kc + e // 2, 2 * (e % 2)
-                    da.append(np.stack([dp[j][:, c], dp[j][:, c + 1]], 1))
-                for dn in range(D // 16):
-                    bk = ldsm_x4_trans(kt, (16 * kc + trow) * kRow + 16 * dn + tcol)
-                    mma16816(acc[2 * dn], da, [bk[0], bk[1]])
-                    mma16816(acc[2 * dn + 1], da, [bk[2], bk[3]])
-        for r in range(2):
-            row = 16 * warp + G + 8 * r
-            for dn in range(D // 8):
-                out[row, 8 * dn + 2 * TT], out[row, 8 * dn + 2 * TT + 1] = acc[dn][:, 2 * r], acc[dn][:, 2 * r + 1]
+            halves_product(acc, dp, kt, None, 64, 8, D)
+        c_rows(out, acc, warp, D)
     return out
 
 
@@ -476,62 +461,30 @@ def emulate_kv(k, v, real, land, dw0, lse, rowdot, scale_log2, kLand):
     """k, v (64, D) one block's keys (exact); real (64,) bool; land, dw0 (m, D), lse, rowdot (m,) one q head.
     Returns (K3ᵀ dW0, dS3ᵀ Q̃) (64, D) each, as the kernel accumulates them before the epilogue."""
     D, m = k.shape[1], land.shape[0]
-    kRow = D + 8
-    flat = lambda a: np.concatenate([a, np.zeros((a.shape[0], kRow - D))], 1).ravel()
-    kt, vt = flat(k), flat(v)
+    kt, vt = flat(k, D), flat(v, D)
     out_v, out_k = np.zeros((64, D)), np.zeros((64, D))
-    lane = np.arange(32)
-    arow, acol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
-    brow, bcol = (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8
-    trow, tcol = (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8
     for warp in range(4):
         bias = [np.where(real[16 * warp + G + 8 * r], 0.0, -np.inf) for r in range(2)]
         dv = [np.zeros((32, 4)) for _ in range(D // 8)]
         dk = [np.zeros((32, 4)) for _ in range(D // 8)]
         for l0 in range(0, m, kLand):
             count = min(m - l0, kLand)
-            tiles = []
-            for src in (land, dw0):
-                t = np.zeros((kLand, D))
-                t[:count] = src[l0:l0 + count]
-                tiles += [flat(t), np.zeros(kLand * kRow)]  # hi, lo
+            lt, wt = np.zeros((kLand, D)), np.zeros((kLand, D))
+            lt[:count], wt[:count] = land[l0:l0 + count], dw0[l0:l0 + count]
+            b = [*halves(lt, D), *halves(wt, D)]
             ls, rd = np.zeros(kLand), np.zeros(kLand)
             ls[:count], rd[:count] = lse[l0:l0 + count], rowdot[l0:l0 + count]
-            s = [np.zeros((32, 4)) for _ in range(kLand // 8)]
-            dp = [np.zeros((32, 4)) for _ in range(kLand // 8)]
-            for kc in range(D // 16):
-                ak = ldsm_x4(kt, (16 * warp + arow) * kRow + 16 * kc + acol)
-                av = ldsm_x4(vt, (16 * warp + arow) * kRow + 16 * kc + acol)
-                for jj in range(kLand // 16):
-                    if l0 + 16 * jj >= m:
-                        continue
-                    off = (16 * jj + brow) * kRow + 16 * kc + bcol
-                    for part in range(4):
-                        bf = ldsm_x4(tiles[part], off)
-                        target, a = (s, ak) if part < 2 else (dp, av)
-                        mma16816(target[2 * jj], a, [bf[0], bf[1]])
-                        mma16816(target[2 * jj + 1], a, [bf[2], bf[3]])
+            s, dp = scores_against_halves(kt, vt, b, count, warp, kLand // 8, D)
             for c in range(kLand // 8):
                 for e in range(4):
                     col = 8 * c + 2 * TT + (e & 1)
                     pr = np.where(col < count, np.exp2(s[c][:, e] * scale_log2 + bias[e >> 1] - ls[col]), 0.0)
                     s[c][:, e] = pr
                     dp[c][:, e] = pr * (dp[c][:, e] - rd[col])
-            for acc, x, half in ((dv, s, tiles[2]), (dk, dp, tiles[0])):
-                for kc in range(kLand // 16):
-                    xa = []
-                    for e in range(4):
-                        j, c = 2 * kc + e // 2, 2 * (e % 2)
-                        xa.append(np.stack([x[j][:, c], x[j][:, c + 1]], 1))
-                    for dn in range(D // 16):
-                        bk = ldsm_x4_trans(half, (16 * kc + trow) * kRow + 16 * dn + tcol)
-                        mma16816(acc[2 * dn], xa, [bk[0], bk[1]])
-                        mma16816(acc[2 * dn + 1], xa, [bk[2], bk[3]])
-        for r in range(2):
-            row = 16 * warp + G + 8 * r
-            for dn in range(D // 8):
-                for out, acc in ((out_v, dv), (out_k, dk)):
-                    out[row, 8 * dn + 2 * TT], out[row, 8 * dn + 2 * TT + 1] = acc[dn][:, 2 * r], acc[dn][:, 2 * r + 1]
+            halves_product(dv, s, b[2], b[3], count, kLand // 8, D)
+            halves_product(dk, dp, b[0], b[1], count, kLand // 8, D)
+        c_rows(out_v, dv, warp, D)
+        c_rows(out_k, dk, warp, D)
     return out_v, out_k
 
 

@@ -29,6 +29,112 @@ namespace hfab {
 namespace nystrom {
 namespace tc {
 
+// s (16 x 8 NT) = (a[0] + a[1]) yᵀ and dp = (a[2] + a[3]) zᵀ over D: this warp's 16 rows of the staged 16-bit halves
+// a[0..3] ([.][D + 8], A fragments by ldmatrix) against rows [0, 8 NT) of the 16-bit tiles y and z (exact).
+template <typename T, int D, int NT>
+__device__ __forceinline__ void halves_scores(float (&s)[NT][4], float (&dp)[NT][4], const uint16_t* const (&a)[4],
+                                              const uint16_t* y, const uint16_t* z, int warp, int lane) {
+  constexpr int kRow = D + 8;
+  const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
+  const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) {
+    uint32_t af[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) mma::ldsm_x4(af[i], a[i] + arow * kRow + 16 * kc + acol);
+#pragma unroll
+    for (int jj = 0; jj < NT / 2; ++jj) {
+      uint32_t by[4], bz[4];
+      mma::ldsm_x4(by, y + (16 * jj + brow) * kRow + 16 * kc + bcol);
+      mma::ldsm_x4(bz, z + (16 * jj + brow) * kRow + 16 * kc + bcol);
+#pragma unroll
+      for (int part = 0; part < 2; ++part) {
+        mma::m16n8k16(s[2 * jj], af[part], {by[0], by[1]}, T());
+        mma::m16n8k16(s[2 * jj + 1], af[part], {by[2], by[3]}, T());
+        mma::m16n8k16(dp[2 * jj], af[2 + part], {bz[0], bz[1]}, T());
+        mma::m16n8k16(dp[2 * jj + 1], af[2 + part], {bz[2], bz[3]}, T());
+      }
+    }
+  }
+}
+
+// s (16 x 8 NT) = x (b[0] + b[1])ᵀ and dp = w (b[2] + b[3])ᵀ over D: this warp's 16 rows of the 16-bit tiles x and w
+// (exact, A by ldmatrix) against rows [0, 8 NT) of the staged 16-bit halves b[0..3] ([.][D + 8]); 16-row n-tile pairs
+// at or past row `valid` are skipped (left 0).
+template <typename T, int D, int NT>
+__device__ __forceinline__ void scores_against_halves(float (&s)[NT][4], float (&dp)[NT][4], const uint16_t* x,
+                                                      const uint16_t* w, const uint16_t* const (&b)[4], int valid,
+                                                      int warp, int lane) {
+  constexpr int kRow = D + 8;
+  const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
+  const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) {
+    uint32_t ax[4], aw[4];
+    mma::ldsm_x4(ax, x + arow * kRow + 16 * kc + acol);
+    mma::ldsm_x4(aw, w + arow * kRow + 16 * kc + acol);
+#pragma unroll
+    for (int jj = 0; jj < NT / 2; ++jj) {
+      if (16 * jj >= valid) continue;
+      const int off = (16 * jj + brow) * kRow + 16 * kc + bcol;
+#pragma unroll
+      for (int part = 0; part < 2; ++part) {
+        uint32_t bs[4], bd[4];
+        mma::ldsm_x4(bs, b[part] + off);
+        mma::ldsm_x4(bd, b[2 + part] + off);
+        mma::m16n8k16(s[2 * jj], ax, {bs[0], bs[1]}, T());
+        mma::m16n8k16(s[2 * jj + 1], ax, {bs[2], bs[3]}, T());
+        mma::m16n8k16(dp[2 * jj], aw, {bd[0], bd[1]}, T());
+        mma::m16n8k16(dp[2 * jj + 1], aw, {bd[2], bd[3]}, T());
+      }
+    }
+  }
+}
+
+// acc (16 x D) += x (16 x 8 NT, C layout, fp32) times rows [0, 8 NT) of the 16-bit tile b ([.][D + 8], rows as the k
+// index, by ldmatrix.trans), x in two halves: x_hi b + x_lo b; with kLo, b is the high part of fp32 values whose
+// residual is b_lo, and x_hi b_lo is added. 16-row k-steps at or past row `valid` are skipped.
+template <typename T, int D, int NT, bool kLo>
+__device__ __forceinline__ void halves_product(float (&acc)[D / 8][4], const float (&x)[NT][4], const uint16_t* b,
+                                               const uint16_t* b_lo, int valid, int lane) {
+  constexpr int kRow = D + 8;
+  const int trow = (lane & 7) + ((lane >> 3) & 1) * 8, tcol = (lane >> 4) * 8;
+#pragma unroll
+  for (int kc = 0; kc < NT / 2; ++kc) {
+    if (16 * kc >= valid) continue;
+    uint32_t xhi[4], xlo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // e: (row g, k 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
+      const int j = 2 * kc + e / 2, c = 2 * (e % 2);
+      split_pair<T>(x[j][c], x[j][c + 1], xhi[e], xlo[e]);
+    }
+#pragma unroll
+    for (int dn = 0; dn < D / 16; ++dn) {
+      const int off = (16 * kc + trow) * kRow + 16 * dn + tcol;
+      uint32_t bf[4];
+      mma::ldsm_x4_trans(bf, b + off);
+      mma::m16n8k16(acc[2 * dn], xhi, {bf[0], bf[1]}, T());
+      mma::m16n8k16(acc[2 * dn + 1], xhi, {bf[2], bf[3]}, T());
+      if constexpr (kLo) {
+        uint32_t bl[4];
+        mma::ldsm_x4_trans(bl, b_lo + off);
+        mma::m16n8k16(acc[2 * dn], xhi, {bl[0], bl[1]}, T());
+        mma::m16n8k16(acc[2 * dn + 1], xhi, {bl[2], bl[3]}, T());
+      }
+      mma::m16n8k16(acc[2 * dn], xlo, {bf[0], bf[1]}, T());
+      mma::m16n8k16(acc[2 * dn + 1], xlo, {bf[2], bf[3]}, T());
+    }
+  }
+}
+
 // Grid and shared memory as nystrom_out_tc_fwd_kernel. lse1 = +inf and Δ1 = 0 for a row with no valid slot.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_stats_tc_bwd_kernel(const BwdParams bp) {
@@ -74,7 +180,7 @@ template <int D> struct K1Smem {
 template <typename T, int D>
 __global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bwd_kernel(const BwdParams bp) {
   using S = K1Smem<D>;
-  constexpr int kRow = S::kRow, kTile = S::kSlotTile, kQTile = S::kQueryTile, kQueries = S::kQueries;
+  constexpr int kTile = S::kSlotTile, kQTile = S::kQueryTile, kQueries = S::kQueries;
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* khi = reinterpret_cast<uint16_t*>(smem);
   uint16_t* klo = khi + kTile;
@@ -116,10 +222,6 @@ __global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bw
 #pragma unroll
     for (int e = 0; e < 4; ++e) dvals[dn][e] = dkeys[dn][e] = 0.f;
   const bool slot_ok[2] = {s0 + 16 * warp + g < nvalid, s0 + 16 * warp + g + 8 < nvalid};
-  // ldmatrix lanes: A (slot rows, k = d), B (query rows as n, k = d), B trans (query rows as k, n = d)
-  const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
-  const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;
-  const int trow = (lane & 7) + ((lane >> 3) & 1) * 8, tcol = (lane >> 4) * 8;
   int buf = 0;
   for (int q0 = qbeg; q0 < qend; q0 += kQueries, buf ^= 1) {
     mma::cp_async_wait_all();
@@ -131,31 +233,8 @@ __global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bw
     const float* delta = lse + kQueries;
 
     float s[kQueries / 8][4], dp[kQueries / 8][4];  // Sᵀ = keys q_sᵀ, dPᵀ = vals dOᵀ (slots x queries)
-#pragma unroll
-    for (int j = 0; j < kQueries / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
-#pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) {
-      uint32_t a[4][4];  // keys hi, lo, vals hi, lo
-      mma::ldsm_x4(a[0], khi + arow * kRow + 16 * kc + acol);
-      mma::ldsm_x4(a[1], klo + arow * kRow + 16 * kc + acol);
-      mma::ldsm_x4(a[2], vhi + arow * kRow + 16 * kc + acol);
-      mma::ldsm_x4(a[3], vlo + arow * kRow + 16 * kc + acol);
-#pragma unroll
-      for (int jj = 0; jj < kQueries / 16; ++jj) {
-        uint32_t bq[4], bd[4];
-        mma::ldsm_x4(bq, qt + (16 * jj + brow) * kRow + 16 * kc + bcol);
-        mma::ldsm_x4(bd, dt + (16 * jj + brow) * kRow + 16 * kc + bcol);
-#pragma unroll
-        for (int part = 0; part < 2; ++part) {
-          mma::m16n8k16(s[2 * jj], a[part], {bq[0], bq[1]}, T());
-          mma::m16n8k16(s[2 * jj + 1], a[part], {bq[2], bq[3]}, T());
-          mma::m16n8k16(dp[2 * jj], a[2 + part], {bd[0], bd[1]}, T());
-          mma::m16n8k16(dp[2 * jj + 1], a[2 + part], {bd[2], bd[3]}, T());
-        }
-      }
-    }
+    const uint16_t* const halves[4] = {khi, klo, vhi, vlo};
+    halves_scores<T, D>(s, dp, halves, qt, dt, warp, lane);
 #pragma unroll
     for (int j = 0; j < kQueries / 8; ++j)
 #pragma unroll
@@ -166,30 +245,8 @@ __global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bw
         s[j][e] = pr;
         dp[j][e] = pr * (dp[j][e] - delta[c]);
       }
-#pragma unroll
-    for (int kc = 0; kc < kQueries / 16; ++kc) {
-      uint32_t phi[4], plo[4], dhi[4], dlo[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {  // e: (row g, queries 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
-        const int j = 2 * kc + e / 2, c = 2 * (e % 2);
-        split_pair<T>(s[j][c], s[j][c + 1], phi[e], plo[e]);
-        split_pair<T>(dp[j][c], dp[j][c + 1], dhi[e], dlo[e]);
-      }
-#pragma unroll
-      for (int dn = 0; dn < D / 16; ++dn) {
-        uint32_t bd[4], bq[4];
-        mma::ldsm_x4_trans(bd, dt + (16 * kc + trow) * kRow + 16 * dn + tcol);
-        mma::ldsm_x4_trans(bq, qt + (16 * kc + trow) * kRow + 16 * dn + tcol);
-        mma::m16n8k16(dvals[2 * dn], phi, {bd[0], bd[1]}, T());
-        mma::m16n8k16(dvals[2 * dn + 1], phi, {bd[2], bd[3]}, T());
-        mma::m16n8k16(dvals[2 * dn], plo, {bd[0], bd[1]}, T());
-        mma::m16n8k16(dvals[2 * dn + 1], plo, {bd[2], bd[3]}, T());
-        mma::m16n8k16(dkeys[2 * dn], dhi, {bq[0], bq[1]}, T());
-        mma::m16n8k16(dkeys[2 * dn + 1], dhi, {bq[2], bq[3]}, T());
-        mma::m16n8k16(dkeys[2 * dn], dlo, {bq[0], bq[1]}, T());
-        mma::m16n8k16(dkeys[2 * dn + 1], dlo, {bq[2], bq[3]}, T());
-      }
-    }
+    halves_product<T, D, kQueries / 8, false>(dvals, s, dt, nullptr, kQueries, lane);  // K1ᵀ dO
+    halves_product<T, D, kQueries / 8, false>(dkeys, dp, qt, nullptr, kQueries, lane);  // dS1ᵀ q
   }
 
   const long long slab = (long long)split * gridDim.z + bh;  // (split, b h) slab of slots rows
@@ -220,7 +277,7 @@ template <int D> struct K3BwdSmem {
 template <typename T, int D>
 __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bwd_kernel(const BwdParams bp) {
   using S = K3BwdSmem<D>;
-  constexpr int kRow = S::kRow, kTile = S::kTile;
+  constexpr int kTile = S::kTile;
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* lhi = reinterpret_cast<uint16_t*>(smem);
   uint16_t* llo = lhi + kTile;
@@ -263,9 +320,6 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bw
   float acc[D / 8][4];
 #pragma unroll
   for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.f;
-  const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;  // A by ldmatrix
-  const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;               // B: key rows as n
-  const int trow = (lane & 7) + ((lane >> 3) & 1) * 8, tcol = (lane >> 4) * 8;               // B trans: key rows as k
   int buf = 0;
   for (int k0 = kbeg; k0 < kend; k0 += kK3Keys, buf ^= 1) {
     mma::cp_async_wait_all();
@@ -275,31 +329,8 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bw
     const uint16_t* vt = kt + kTile;
     const float* bt = bias + buf * kK3Keys;
     float s[kK3Keys / 8][4], dp[kK3Keys / 8][4];  // S3 = Q̃ kᵀ, dP3 = dW0 vᵀ (landmarks x keys)
-#pragma unroll
-    for (int j = 0; j < kK3Keys / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
-#pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) {
-      uint32_t a[4][4];  // landmarks hi, lo, dW0 hi, lo
-      mma::ldsm_x4(a[0], lhi + arow * kRow + 16 * kc + acol);
-      mma::ldsm_x4(a[1], llo + arow * kRow + 16 * kc + acol);
-      mma::ldsm_x4(a[2], whi + arow * kRow + 16 * kc + acol);
-      mma::ldsm_x4(a[3], wlo + arow * kRow + 16 * kc + acol);
-#pragma unroll
-      for (int jj = 0; jj < kK3Keys / 16; ++jj) {
-        uint32_t bk[4], bv[4];
-        mma::ldsm_x4(bk, kt + (16 * jj + brow) * kRow + 16 * kc + bcol);
-        mma::ldsm_x4(bv, vt + (16 * jj + brow) * kRow + 16 * kc + bcol);
-#pragma unroll
-        for (int part = 0; part < 2; ++part) {
-          mma::m16n8k16(s[2 * jj], a[part], {bk[0], bk[1]}, T());
-          mma::m16n8k16(s[2 * jj + 1], a[part], {bk[2], bk[3]}, T());
-          mma::m16n8k16(dp[2 * jj], a[2 + part], {bv[0], bv[1]}, T());
-          mma::m16n8k16(dp[2 * jj + 1], a[2 + part], {bv[2], bv[3]}, T());
-        }
-      }
-    }
+    const uint16_t* const halves[4] = {lhi, llo, whi, wlo};
+    halves_scores<T, D>(s, dp, halves, kt, vt, warp, lane);
 #pragma unroll
     for (int j = 0; j < kK3Keys / 8; ++j)
 #pragma unroll
@@ -307,24 +338,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bw
         const float pr = exp2f(fmaf(s[j][e], scale_log2, bt[8 * j + 2 * t + (e & 1)]) - lse[e >> 1]);
         dp[j][e] = pr * (dp[j][e] - rd[e >> 1]);
       }
-#pragma unroll
-    for (int kc = 0; kc < kK3Keys / 16; ++kc) {
-      uint32_t dhi[4], dlo[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {  // e: (row g, keys 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
-        const int j = 2 * kc + e / 2, c = 2 * (e % 2);
-        split_pair<T>(dp[j][c], dp[j][c + 1], dhi[e], dlo[e]);
-      }
-#pragma unroll
-      for (int dn = 0; dn < D / 16; ++dn) {
-        uint32_t bk[4];
-        mma::ldsm_x4_trans(bk, kt + (16 * kc + trow) * kRow + 16 * dn + tcol);
-        mma::m16n8k16(acc[2 * dn], dhi, {bk[0], bk[1]}, T());
-        mma::m16n8k16(acc[2 * dn + 1], dhi, {bk[2], bk[3]}, T());
-        mma::m16n8k16(acc[2 * dn], dlo, {bk[0], bk[1]}, T());
-        mma::m16n8k16(acc[2 * dn + 1], dlo, {bk[2], bk[3]}, T());
-      }
-    }
+    halves_product<T, D, kK3Keys / 8, false>(acc, dp, kt, nullptr, kK3Keys, lane);  // dS3 k
   }
 
   const long long slab = (long long)split * gridDim.z + bh;
@@ -348,42 +362,11 @@ template <int D> struct KvSmem {
   static constexpr int bytes = 2 * kKeyTile * 2 + 4 * kLandTile * 2 + 2 * kLand * 4;
 };
 
-// acc (16 x D) += x (16 x 8 NT, C layout, fp32) times rows [0, 8 NT) of the 16-bit halves hi + lo ([.][D + 8], rows
-// as the k index, by ldmatrix.trans), x in two halves: x_hi hi + x_hi lo + x_lo hi.
-template <typename T, int D, int NT>
-__device__ __forceinline__ void halves_product(float (&acc)[D / 8][4], const float (&x)[NT][4], const uint16_t* hi,
-                                               const uint16_t* lo, int lane) {
-  constexpr int kRow = D + 8;
-  const int trow = (lane & 7) + ((lane >> 3) & 1) * 8, tcol = (lane >> 4) * 8;
-#pragma unroll
-  for (int kc = 0; kc < NT / 2; ++kc) {
-    uint32_t xhi[4], xlo[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {  // e: (row g, k 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
-      const int j = 2 * kc + e / 2, c = 2 * (e % 2);
-      split_pair<T>(x[j][c], x[j][c + 1], xhi[e], xlo[e]);
-    }
-#pragma unroll
-    for (int dn = 0; dn < D / 16; ++dn) {
-      const int off = (16 * kc + trow) * kRow + 16 * dn + tcol;
-      uint32_t bh4[4], bl4[4];
-      mma::ldsm_x4_trans(bh4, hi + off);
-      mma::ldsm_x4_trans(bl4, lo + off);
-      mma::m16n8k16(acc[2 * dn], xhi, {bh4[0], bh4[1]}, T());
-      mma::m16n8k16(acc[2 * dn + 1], xhi, {bh4[2], bh4[3]}, T());
-      mma::m16n8k16(acc[2 * dn], xhi, {bl4[0], bl4[1]}, T());
-      mma::m16n8k16(acc[2 * dn + 1], xhi, {bl4[2], bl4[3]}, T());
-      mma::m16n8k16(acc[2 * dn], xlo, {bh4[0], bh4[1]}, T());
-      mma::m16n8k16(acc[2 * dn + 1], xlo, {bh4[2], bh4[3]}, T());
-    }
-  }
-}
-
 // Grid (ceil(N / 64), Hkv, B), 128 threads.
 template <typename T, int D>
 __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bwd_kernel(const BwdParams bp) {
   using S = KvSmem<D>;
-  constexpr int kRow = S::kRow, kLand = S::kLand;
+  constexpr int kLand = S::kLand;
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* kt = reinterpret_cast<uint16_t*>(smem);
   uint16_t* vt = kt + S::kKeyTile;
@@ -418,8 +401,6 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
     mma::load_rows_async<kK3Keys, D, kK3Threads>(vt, static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h, p.sv.n,
                                                  j0, ok);
     const float scale_log2 = p.root * kLog2e;
-    const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;  // A: key rows
-    const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;               // B: landmark rows
     for (int hi = 0; hi < p.groups; ++hi) {  // the group's q heads in a fixed order
       const long long bh = (long long)b * p.hq + kvh * p.groups + hi;
       for (int l0 = 0; l0 < p.m; l0 += kLand) {
@@ -434,29 +415,8 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
         mma::cp_async_wait_all();  // k, v (the first tile only)
         __syncthreads();
         float s[kLand / 8][4], dp[kLand / 8][4];  // S3ᵀ = k Q̃ᵀ, dP3ᵀ = v dW0ᵀ (keys x landmarks)
-#pragma unroll
-        for (int c = 0; c < kLand / 8; ++c)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[c][e] = dp[c][e] = 0.f;
-#pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) {
-          uint32_t ak[4], av[4];
-          mma::ldsm_x4(ak, kt + arow * kRow + 16 * kc + acol);
-          mma::ldsm_x4(av, vt + arow * kRow + 16 * kc + acol);
-#pragma unroll
-          for (int jj = 0; jj < kLand / 16; ++jj) {
-            if (l0 + 16 * jj >= p.m) continue;
-            const int off = (16 * jj + brow) * kRow + 16 * kc + bcol;
-            uint32_t bf[4];
-#pragma unroll
-            for (int part = 0; part < 4; ++part) {  // landmarks hi, lo against k; dW0 hi, lo against v
-              mma::ldsm_x4(bf, (part == 0 ? lhi : part == 1 ? llo : part == 2 ? whi : wlo) + off);
-              float(&target)[kLand / 8][4] = part < 2 ? s : dp;
-              mma::m16n8k16(target[2 * jj], part < 2 ? ak : av, {bf[0], bf[1]}, T());
-              mma::m16n8k16(target[2 * jj + 1], part < 2 ? ak : av, {bf[2], bf[3]}, T());
-            }
-          }
-        }
+        const uint16_t* const halves[4] = {lhi, llo, whi, wlo};
+        scores_against_halves<T, D>(s, dp, kt, vt, halves, count, warp, lane);
 #pragma unroll
         for (int c = 0; c < kLand / 8; ++c)
 #pragma unroll
@@ -466,8 +426,8 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
             s[c][e] = pr;
             dp[c][e] = pr * (dp[c][e] - rd[col]);
           }
-        halves_product<T, D>(dv, s, whi, wlo, lane);   // K3ᵀ dW0
-        halves_product<T, D>(dk, dp, lhi, llo, lane);  // dS3ᵀ Q̃
+        halves_product<T, D, kLand / 8, true>(dv, s, whi, wlo, count, lane);   // K3ᵀ dW0
+        halves_product<T, D, kLand / 8, true>(dk, dp, lhi, llo, count, lane);  // dS3ᵀ Q̃
       }
     }
   }
@@ -540,7 +500,7 @@ template <int D> struct DqSmem {
 
 // Grid (blocks per head, Hq, B) as the output kernel, 256 threads.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_dq_tc_bwd_kernel(const BwdParams bp) {
+__global__ void __launch_bounds__(kThreads, D == 32 ? 2 : 1) nystrom_dq_tc_bwd_kernel(const BwdParams bp) {
   using S = DqSmem<D>;
   constexpr int kRow = S::kRow;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -563,9 +523,6 @@ __global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_dq_tc_bwd_
   split_rows<T, D, kThreads>(p.keys + bh * p.slots * D, nvalid, rows, khi, klo);
   split_rows<T, D, kThreads>(p.vals + bh * p.slots * D, nvalid, rows, vhi, vlo);
   const bool landmark = bp.landmarks && !bp.exact[b];
-  const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;  // A by ldmatrix
-  const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;               // B: slot rows as n
-  const int trow = (lane & 7) + ((lane >> 3) & 1) * 8, tcol = (lane >> 4) * 8;               // B trans: slot rows as k
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int q0 = tile * kBQ, n = p.n;
     __syncthreads();  // the previous tile's readers are done (at the first: the staged buffer is written)
@@ -585,30 +542,9 @@ __global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_dq_tc_bwd_
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.f;
     for (int c0 = 0; c0 < nvalid; c0 += kChunk) {
-      float s[kChunk / 8][4], dp[kChunk / 8][4];
-#pragma unroll
-      for (int j = 0; j < kChunk / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
-#pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) {
-        uint32_t aq[4], ad[4];
-        mma::ldsm_x4(aq, qs + arow * kRow + 16 * kc + acol);
-        mma::ldsm_x4(ad, dos + arow * kRow + 16 * kc + acol);
-#pragma unroll
-        for (int jj = 0; jj < kChunk / 16; ++jj) {
-          if (c0 + 16 * jj >= nvalid) continue;
-          const int off = (c0 + 16 * jj + brow) * kRow + 16 * kc + bcol;
-          uint32_t bf[4];
-#pragma unroll
-          for (int part = 0; part < 4; ++part) {  // keys hi, lo against q; vals hi, lo against dO
-            mma::ldsm_x4(bf, (part == 0 ? khi : part == 1 ? klo : part == 2 ? vhi : vlo) + off);
-            float(&acc_s)[kChunk / 8][4] = part < 2 ? s : dp;
-            mma::m16n8k16(acc_s[2 * jj], part < 2 ? aq : ad, {bf[0], bf[1]}, T());
-            mma::m16n8k16(acc_s[2 * jj + 1], part < 2 ? aq : ad, {bf[2], bf[3]}, T());
-          }
-        }
-      }
+      float s[kChunk / 8][4], dp[kChunk / 8][4];  // S = q keysᵀ, dP = dO valsᵀ (queries x slots)
+      const uint16_t* const halves[4] = {khi + c0 * kRow, klo + c0 * kRow, vhi + c0 * kRow, vlo + c0 * kRow};
+      scores_against_halves<T, D>(s, dp, qs, dos, halves, nvalid - c0, warp, lane);
 #pragma unroll
       for (int j = 0; j < kChunk / 8; ++j)
 #pragma unroll
@@ -617,29 +553,8 @@ __global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_dq_tc_bwd_
           const float pr = ok ? exp2f(fmaf(s[j][e], scale_log2, -lse[e >> 1])) : 0.f;
           dp[j][e] = pr * (dp[j][e] - delta[e >> 1]);
         }
-#pragma unroll
-      for (int kc = 0; kc < kChunk / 16; ++kc) {
-        if (c0 + 16 * kc >= nvalid) continue;
-        uint32_t dhi[4], dlo[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {  // e: (row g, slots 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
-          const int j = 2 * kc + e / 2, c = 2 * (e % 2);
-          split_pair<T>(dp[j][c], dp[j][c + 1], dhi[e], dlo[e]);
-        }
-#pragma unroll
-        for (int dn = 0; dn < D / 16; ++dn) {
-          const int off = (c0 + 16 * kc + trow) * kRow + 16 * dn + tcol;
-          uint32_t bh4[4], bl4[4];
-          mma::ldsm_x4_trans(bh4, khi + off);
-          mma::ldsm_x4_trans(bl4, klo + off);
-          mma::m16n8k16(acc[2 * dn], dhi, {bh4[0], bh4[1]}, T());
-          mma::m16n8k16(acc[2 * dn + 1], dhi, {bh4[2], bh4[3]}, T());
-          mma::m16n8k16(acc[2 * dn], dhi, {bl4[0], bl4[1]}, T());
-          mma::m16n8k16(acc[2 * dn + 1], dhi, {bl4[2], bl4[3]}, T());
-          mma::m16n8k16(acc[2 * dn], dlo, {bh4[0], bh4[1]}, T());
-          mma::m16n8k16(acc[2 * dn + 1], dlo, {bh4[2], bh4[3]}, T());
-        }
-      }
+      halves_product<T, D, kChunk / 8, true>(acc, dp, khi + c0 * kRow, klo + c0 * kRow, nvalid - c0,
+                                             lane);  // dS1 keys
     }
 
 #pragma unroll
