@@ -274,6 +274,56 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_k3_bwd_kernel(const BwdPa
   }
 }
 
+// The gradients of key row j (< N) of batch b, kv head kvh, in this thread's column pairs cols[i] (fp32, dk before its
+// √scale): on entry gk, gv hold what the landmark path accumulated (dS3ᵀ Q̃ and K3ᵀ dW0; zero for exact sequences);
+// adds the landmark keys' gradient spread over their segments, or for exact sequences the gradient of the token's
+// buffer slot, and the conv residual's; padding rows get 0.
+template <typename T, int D, int NP>
+__device__ __forceinline__ void key_row_gradients(const BwdParams& bp, int b, int kvh, int j, bool landmark,
+                                                  const int (&cols)[NP], float2 (&gk)[NP], float2 (&gv)[NP]) {
+  const Params& p = bp.p;
+  const long long bg = (long long)b * p.hkv + kvh;
+  const int rank = real_rank(bp, b, j);
+  if (rank < 0) {
+#pragma unroll
+    for (int i = 0; i < NP; ++i) gk[i] = gv[i] = make_float2(0.f, 0.f);
+    return;
+  }
+  if (landmark) {
+    int lt;
+    const float share = segment_share(p, b, rank, lt);
+    const float* dkl = bp.dkl + (bg * p.m + lt) * D;
+#pragma unroll
+    for (int i = 0; i < NP; ++i) add_row(gk[i], dkl, cols[i], share);
+  } else if (rank < p.slots) {
+    const float* dkr = bp.dkeys_kv + (bg * p.slots + rank) * D;
+    const float* dvr = bp.dvals_kv + (bg * p.slots + rank) * D;
+#pragma unroll
+    for (int i = 0; i < NP; ++i) {
+      add_row(gk[i], dkr, cols[i], 1.f);
+      add_row(gv[i], dvr, cols[i], 1.f);
+    }
+  }
+  if (p.conv == nullptr) return;
+  const int half = p.ks / 2;
+  for (int hi = 0; hi < p.groups; ++hi) {
+    const int h = kvh * p.groups + hi;
+    const T* dout = static_cast<const T*>(bp.dout) + ((long long)b * p.hq + h) * p.n * D;
+    for (int t = 0; t < p.ks; ++t) {
+      const int row = j - t + half;
+      if (row < 0 || row >= p.n) continue;
+      const float w = p.conv[h * p.ks + t];
+      const unsigned* drow = reinterpret_cast<const unsigned*>(dout + (long long)row * D);
+#pragma unroll
+      for (int i = 0; i < NP; ++i) {
+        const float2 x = Pair<T>::to_float2(drow[cols[i]]);
+        gv[i].x = fmaf(w, x.x, gv[i].x);
+        gv[i].y = fmaf(w, x.y, gv[i].y);
+      }
+    }
+  }
+}
+
 template <int D> struct KvTiles {
   static constexpr int BK = D == 128 ? 32 : 64, BL = 32;  // keys x landmarks per tile
   struct Smem {  // dynamic shared memory (up to 60 KB at D 128)
@@ -349,54 +399,19 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_kv_bwd_kernel(const BwdPa
     }
   }
 
-  const int half = p.ks / 2;
 #pragma unroll
   for (int i = 0; i < TR; ++i) {
     const int j = j0 + ty * TR + i;
     if (j >= p.n) continue;
-    const int rank = real_rank(bp, b, j);
+    int cols[TD];
     float2 dk[TD], dv[TD];
 #pragma unroll
-    for (int c = 0; c < TD; ++c) dk[c] = dv[c] = make_float2(0.f, 0.f);
-    if (rank >= 0) {
-      if (landmark) {
-        int lt;
-        const float share = segment_share(p, b, rank, lt);
-        const float* dkl = bp.dkl + (bg * p.m + lt) * D;
-#pragma unroll
-        for (int c = 0; c < TD; ++c) {
-          dk[c] = acck[i][c];
-          dv[c] = accv[i][c];
-          add_row(dk[c], dkl, tx + 16 * c, share);
-        }
-      } else if (rank < p.slots) {
-        const float* dkr = bp.dkeys_kv + (bg * p.slots + rank) * D;
-        const float* dvr = bp.dvals_kv + (bg * p.slots + rank) * D;
-#pragma unroll
-        for (int c = 0; c < TD; ++c) {
-          add_row(dk[c], dkr, tx + 16 * c, 1.f);
-          add_row(dv[c], dvr, tx + 16 * c, 1.f);
-        }
-      }
-      if (p.conv != nullptr) {
-        for (int hi = 0; hi < p.groups; ++hi) {
-          const int h = g * p.groups + hi;
-          const T* dout = static_cast<const T*>(bp.dout) + ((long long)b * p.hq + h) * p.n * D;
-          for (int t = 0; t < p.ks; ++t) {
-            const int row = j - t + half;
-            if (row < 0 || row >= p.n) continue;
-            const float w = p.conv[h * p.ks + t];
-            const unsigned* drow = reinterpret_cast<const unsigned*>(dout + (long long)row * D);
-#pragma unroll
-            for (int c = 0; c < TD; ++c) {
-              const float2 x = Pair<T>::to_float2(drow[tx + 16 * c]);
-              dv[c].x = fmaf(w, x.x, dv[c].x);
-              dv[c].y = fmaf(w, x.y, dv[c].y);
-            }
-          }
-        }
-      }
+    for (int c = 0; c < TD; ++c) {
+      cols[c] = tx + 16 * c;
+      dk[c] = acck[i][c];
+      dv[c] = accv[i][c];
     }
+    key_row_gradients<T, D>(bp, b, g, j, landmark, cols, dk, dv);
     store_row<T, TD>(static_cast<T*>(bp.dk) + (bg * p.n + j) * D, dk, p.root, tx);  // k_s = k √scale
     store_row<T, TD>(static_cast<T*>(bp.dv) + (bg * p.n + j) * D, dv, 1.f, tx);
   }

@@ -432,54 +432,19 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
     }
   }
 
-  const int half = p.ks / 2;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int j = j0 + 16 * warp + g + 8 * r;
     if (j >= p.n) continue;
-    const int rank = real_rank(bp, b, j);
+    int cols[D / 8];
     float2 gk[D / 8], gv[D / 8];
 #pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) gk[dn] = gv[dn] = make_float2(0.f, 0.f);
-    if (rank >= 0) {
-      if (landmark) {
-        int lt;
-        const float share = segment_share(p, b, rank, lt);
-        const float* dkl = bp.dkl + (bg * p.m + lt) * D;
-#pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-          gk[dn] = make_float2(dk[dn][2 * r], dk[dn][2 * r + 1]);
-          gv[dn] = make_float2(dv[dn][2 * r], dv[dn][2 * r + 1]);
-          add_row(gk[dn], dkl, 4 * dn + t, share);
-        }
-      } else if (rank < p.slots) {
-        const float* dkr = bp.dkeys_kv + (bg * p.slots + rank) * D;
-        const float* dvr = bp.dvals_kv + (bg * p.slots + rank) * D;
-#pragma unroll
-        for (int dn = 0; dn < D / 8; ++dn) {
-          add_row(gk[dn], dkr, 4 * dn + t, 1.f);
-          add_row(gv[dn], dvr, 4 * dn + t, 1.f);
-        }
-      }
-      if (p.conv != nullptr) {
-        for (int hi = 0; hi < p.groups; ++hi) {
-          const int h = kvh * p.groups + hi;
-          const T* dout = static_cast<const T*>(bp.dout) + ((long long)b * p.hq + h) * p.n * D;
-          for (int tap = 0; tap < p.ks; ++tap) {
-            const int row = j - tap + half;
-            if (row < 0 || row >= p.n) continue;
-            const float w = p.conv[h * p.ks + tap];
-            const unsigned* drow = reinterpret_cast<const unsigned*>(dout + (long long)row * D);
-#pragma unroll
-            for (int dn = 0; dn < D / 8; ++dn) {
-              const float2 x = Pair<T>::to_float2(drow[4 * dn + t]);
-              gv[dn].x = fmaf(w, x.x, gv[dn].x);
-              gv[dn].y = fmaf(w, x.y, gv[dn].y);
-            }
-          }
-        }
-      }
+    for (int dn = 0; dn < D / 8; ++dn) {
+      cols[dn] = 4 * dn + t;
+      gk[dn] = make_float2(dk[dn][2 * r], dk[dn][2 * r + 1]);
+      gv[dn] = make_float2(dv[dn][2 * r], dv[dn][2 * r + 1]);
     }
+    key_row_gradients<T, D>(bp, b, kvh, j, landmark, cols, gk, gv);
     unsigned* dkrow = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dk) + (bg * p.n + j) * D);
     unsigned* dvrow = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dv) + (bg * p.n + j) * D);
 #pragma unroll
