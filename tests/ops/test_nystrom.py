@@ -1,4 +1,8 @@
+import importlib.util
 import math
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -325,3 +329,27 @@ def test_property_matches_oracle_or_raises(data, b, hkv, groups, n, d, m, iters,
     assert out.dtype == dtype
     oracle = oracle_nystrom(q, k, v, m=m, iters=iters, kappa=kappa, conv_weight=w, mask=mask)
     assert_close_to_oracle(out, oracle, atol=1e-12, rtol=_tolerance(dtype))
+
+
+@pytest.mark.slow
+def test_tensor_core_kernels_fragment_indexing_emulated_lane_by_lane(capsys):
+    """scripts/nystrom_tc_lanes.py replays every tensor-core Nyström kernel (csrc/nystrom/nystrom_tc*_kernels.cuh) lane by
+    lane: ldmatrix and mma.sync from the PTX fragment layouts, the kernels' index arithmetic, masks and online softmax,
+    in float64 with exact operand splits; each kernel's result must equal the dense math to rounding (the script
+    asserts 1e-12), and with real fp16/bf16/tf32 operand rounding the forward stays far below the output's own
+    rounding."""
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        spec = importlib.util.spec_from_file_location("nystrom_tc_lanes", scripts / "nystrom_tc_lanes.py")
+        lanes = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(lanes)
+        lanes.main()
+    finally:
+        sys.path.remove(str(scripts))
+    out = capsys.readouterr().out
+    assert out.count("exact") == 25, out  # output 7, K3 3, k1 4, dq 4, K3 backward 3, dk/dv 4 cases
+    rounded = re.findall(r"kernel operands ([0-9.e+-]+), output rounding to the dtype ([0-9.e+-]+)", out)
+    assert len(rounded) == 4, out
+    for operands, rounding in rounded:
+        assert float(operands) < 0.01 * float(rounding), out
