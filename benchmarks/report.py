@@ -54,11 +54,12 @@ def device_slug(device: torch.device) -> str:
     return "-".join("".join(c if c.isalnum() else " " for c in device_name(device).lower()).split())
 
 
-KERNEL_SWITCHES = ("HFAB_RACE_TC_BACKWARD", "HFAB_RACE_PHI_TILE", "HFAB_RACE_PREFETCH")
+KERNEL_SWITCHES = ("HFAB_RACE_TC_BACKWARD", "HFAB_RACE_PHI_TILE", "HFAB_RACE_PREFETCH", "HFAB_NYSTROM_TC")
 
 
 def kernel_switches() -> list[str]:
-    """``NAME=value`` for each kernel run-time switch set in the environment (csrc/race/race_host.cuh)."""
+    """``NAME=value`` for each kernel run-time switch set in the environment (csrc/race/race_host.cuh,
+    csrc/nystrom/nystrom_host.cuh)."""
     return [f"{name}={os.environ[name]}" for name in KERNEL_SWITCHES if name in os.environ]
 
 
@@ -123,10 +124,36 @@ def _ms(row: dict) -> Optional[float]:
     return float(row["median_ms"])
 
 
+def crossovers(rows: list[dict]) -> list[str]:
+    """Per (case, mode) where ours and sdpa both ran at two or more N: the smallest N from which ours is at least as
+    fast as SDPA at every larger measured N (the crossover length), or that it is at no measured N / at every one."""
+    times: "OrderedDict[tuple, dict]" = OrderedDict()
+    for r in rows:
+        if r["provider"] in ("ours", "sdpa") and _ms(r) is not None:
+            times.setdefault((r["case"], r["mode"]), {}).setdefault(int(r["N"]), {})[r["provider"]] = _ms(r)
+    lines = []
+    for (case, mode), by_n in times.items():
+        both = sorted(n for n, t in by_n.items() if len(t) == 2)
+        if len(both) < 2:
+            continue
+        faster = [by_n[n]["ours"] <= by_n[n]["sdpa"] for n in both]
+        span = f"measured N {both[0]}..{both[-1]}"
+        if all(faster):
+            text = f"ours at least as fast as sdpa at every N ({span})"
+        elif not faster[-1]:
+            text = f"ours slower than sdpa at N {both[-1]} ({span})"
+        else:
+            first = next(i for i in range(len(both)) if all(faster[i:]))
+            text = f"ours at least as fast as sdpa from N {both[first]} on, slower at N {both[first - 1]} ({span})"
+        lines.append(f"  crossover: {case} {mode}: {text}")
+    return lines
+
+
 def format_table(rows: list[dict]) -> str:
     """One line per (case, N, mode): each provider's median ms (or its status), and sdpa/ours
-    (> 1: ours is faster than the softmax baseline) when both ran. Then the messages of error and
-    oom rows and of the first skipped row of each (case, provider, mode)."""
+    (> 1: ours is faster than the softmax baseline) when both ran. Then the crossover lengths against SDPA
+    (``crossovers``) and the messages of error and oom rows and of the first skipped row of each (case, provider,
+    mode)."""
     providers = list(OrderedDict.fromkeys(r["provider"] for r in rows))
     groups: "OrderedDict[tuple, dict]" = OrderedDict()
     for r in rows:
@@ -145,6 +172,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(cells)
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     out = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    out += crossovers(rows)
     seen = set()
     for r in rows:
         key = (r["case"], r["provider"], r["mode"])

@@ -255,6 +255,28 @@ def test_format_table_reports_ratio_and_messages():
     assert lines[2].strip() == "oom: c N=8 reference fwd: boom"
 
 
+def test_crossover_is_the_first_n_from_which_ours_stays_faster():
+    base = dict.fromkeys(report.COLUMNS, "")
+
+    def rows(case, mode, times):
+        return [dict(base, case=case, N=str(n), mode=mode, provider=p, status="ok", median_ms=str(ms))
+                for n, (ours, sdpa) in times.items() for p, ms in (("ours", ours), ("sdpa", sdpa))]
+
+    table = (rows("a", "fwd", {1024: (2.0, 1.0), 2048: (1.0, 1.5), 4096: (2.0, 1.9), 8192: (3.0, 9.0)})
+             + rows("a", "fwd+bwd", {1024: (1.0, 2.0), 2048: (2.0, 5.0)})
+             + rows("b", "fwd", {1024: (1.0, 2.0), 2048: (5.0, 2.0)}))
+    assert report.crossovers(table) == [
+        "  crossover: a fwd: ours at least as fast as sdpa from N 8192 on, slower at N 4096 (measured N 1024..8192)",
+        "  crossover: a fwd+bwd: ours at least as fast as sdpa at every N (measured N 1024..2048)",
+        "  crossover: b fwd: ours slower than sdpa at N 2048 (measured N 1024..2048)"]
+    assert report.crossovers(rows("c", "fwd", {1024: (1.0, 2.0)})) == []
+    assert "crossover: a fwd+bwd" in report.format_table(table)
+    registry.load()
+    short = registry.CASES["nystrom_crossover"]  # issue 4: the crossover at B=4, H=16, D=128, target <= 2,048
+    assert (short.batch, short.heads, short.head_dim, short.options["num_landmarks"]) == (4, 16, 128, 64)
+    assert short.sizes[0] < 2 * K < short.sizes[-1]
+
+
 PTXAS_LOG = """\
 ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function '_Z14exact_fwd_kernelPf' for 'sm_90'
