@@ -291,8 +291,8 @@ void launch_query_tiles(void (*kernel)(Arg), const Arg& arg, int bytes, const In
 }
 
 // W0 = K3 v (B, Hq, m, D): split-N partials from nystrom_k3_tc_fwd_kernel (or nystrom_k3_fwd_kernel), merged in a
-// fixed order. With `lse`, also the base-2 log-sum-exp of each landmark's scores over the real keys (B, Hq, m):
-// K3 = exp2(s - lse).
+// fixed order by nystrom_k3_merge_fwd_kernel. With `lse`, also the base-2 log-sum-exp of each landmark's scores over
+// the real keys (B, Hq, m): K3 = exp2(s - lse).
 template <typename T, int D>
 at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr) {
   Params& p = in.p;
@@ -319,12 +319,14 @@ at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr)
     nystrom_k3_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const at::Tensor top = part_max.amax(0, true).clamp_min(-1e30);  // -inf (no real key anywhere) -> finite
-  const at::Tensor w = part_max.sub(top).exp2();                     // (splits, B Hq, m), 0 for empty splits
-  const at::Tensor den = w.mul(part_sum).sum(0).clamp_min(1e-30);
-  const at::Tensor num = w.unsqueeze(-1).mul(part_acc).sum(0);
-  if (lse != nullptr) *lse = top.squeeze(0).add(den.log2()).view({in.batch, in.hq, in.m}).contiguous();
-  return num.div(den.unsqueeze(-1)).view({in.batch, in.hq, in.m, in.d});
+  at::Tensor w0 = at::empty({in.batch, in.hq, in.m, in.d}, f32);
+  if (lse != nullptr) *lse = at::empty({in.batch, in.hq, in.m}, f32);
+  const int64_t rows = bh * in.m;
+  nystrom_k3_merge_fwd_kernel<<<static_cast<unsigned>(div_up(rows * in.d / 4, kThreads)), kThreads, 0, stream>>>(
+      p.part_max, p.part_sum, p.part_acc, static_cast<int>(splits), rows, static_cast<int>(in.d),
+      w0.data_ptr<float>(), lse != nullptr ? lse->data_ptr<float>() : nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return w0;
 }
 
 // K2, Z, W = Z W0 and the output kernel's key/value buffers (landmarks where n > m, real tokens where n <= m);

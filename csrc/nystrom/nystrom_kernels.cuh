@@ -13,7 +13,8 @@
 //   nystrom_landmark_fwd_kernel   one block per (landmark, q head or kv head, batch): segment mean, x √scale
 //   nystrom_k3_fwd_kernel         one block per (key split, 32 landmarks, batch x q head): online softmax of
 //                                 the landmarks against the split's real keys; partial (max, sum, acc) per
-//                                 split, merged in a fixed order by the host (deterministic)
+//                                 split, merged in a fixed order (deterministic) by
+//   nystrom_k3_merge_fwd_kernel   one thread per (landmark row, 4 columns): W0 = K3 v and lse3 from the partials
 //   nystrom_out_fwd_kernel        one block per (query block, q head, batch): online softmax over the key
 //                                 buffer, times the value buffer, plus the conv residual, in q.dtype
 //   nystrom_inverse_fwd_kernel    one block per (batch, q head): K2, Newton–Schulz (all iterates in shared
@@ -227,6 +228,33 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_k3_fwd_kernel(const Param
       p.part_sum[r] = sum;
     }
   }
+}
+
+// W0 = K3 v from the key splits' partials (nystrom_k3_fwd_kernel's layout), in a fixed split order:
+// top = max_s part_max[s] (>= -1e30: -inf where no split saw a real key), w_s = 2^(part_max[s] - top),
+// W0 = Σ_s w_s acc_s / max(Σ_s w_s sum_s, 1e-30); with lse3, also top + log2 of that denominator. One thread per
+// (row, 4 columns); rows = B Hq m. Grid ceil(rows D / 4 / 256). Static: this header is included by two .cu files.
+static __global__ void __launch_bounds__(kThreads) nystrom_k3_merge_fwd_kernel(const float* part_max,
+                                                                               const float* part_sum,
+                                                                               const float* part_acc, int splits,
+                                                                               long long rows, int d, float* w0,
+                                                                               float* lse3) {
+  const long long quads = (long long)d / 4, i = (long long)blockIdx.x * kThreads + threadIdx.x;
+  if (i >= rows * quads) return;
+  const long long row = i / quads, c = 4 * (i % quads);
+  float top = -1e30f;
+  for (int s = 0; s < splits; ++s) top = fmaxf(top, part_max[s * rows + row]);
+  float den = 0.f;
+  float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s = 0; s < splits; ++s) {
+    const float w = exp2f(part_max[s * rows + row] - top);  // 0 for a split without a real key (max -inf)
+    den = fmaf(w, part_sum[s * rows + row], den);
+    const float4 a = *reinterpret_cast<const float4*>(part_acc + (s * rows + row) * d + c);
+    num = make_float4(fmaf(w, a.x, num.x), fmaf(w, a.y, num.y), fmaf(w, a.z, num.z), fmaf(w, a.w, num.w));
+  }
+  den = fmaxf(den, 1e-30f);
+  *reinterpret_cast<float4*>(w0 + row * d + c) = make_float4(num.x / den, num.y / den, num.z / den, num.w / den);
+  if (lse3 != nullptr && c == 0) lse3[row] = top + __log2f(den);
 }
 
 template <int D> struct OutTiles {
