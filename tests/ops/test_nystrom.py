@@ -353,3 +353,19 @@ def test_tensor_core_kernels_fragment_indexing_emulated_lane_by_lane(capsys):
     assert len(rounded) == 4, out
     for operands, rounding in rounded:
         assert float(operands) < 0.01 * float(rounding), out
+
+
+@pytest.mark.slow
+def test_tensor_core_backward_operand_error_is_far_below_the_dtype_rounding():
+    """scripts/nystrom_tc_precision.py: the tensor-core k1 kernel's arithmetic (16-bit halves of the fp32 landmark keys,
+    values W, P and dS) stays at least 20x below the rounding of the gradients' dtype, including an ill-conditioned K2
+    (|W| / |out| > 100 at 20 Newton-Schulz steps)."""
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    spec = importlib.util.spec_from_file_location("nystrom_tc_precision", scripts / "nystrom_tc_precision.py")
+    precision = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(precision)
+    for dtype, rounding in ((torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)):
+        ratio, errors = precision.buffer_gradient_errors(dtype, 1, 64, 4097, 20)
+        assert ratio > 100
+        for _, tensor_core_error in errors:  # (fp32 arithmetic, tensor-core arithmetic) for d vals and d keys
+            assert tensor_core_error < rounding / 20, (dtype, errors)

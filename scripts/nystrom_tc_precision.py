@@ -1,0 +1,105 @@
+"""Precision of the tensor-core Nyström backward's buffer gradients (csrc/nystrom/nystrom_tc_bwd_kernels.cuh), on the CPU.
+
+1. The k1 kernel's arithmetic in float64: inputs rounded to fp16 / bf16, the fp32 keys (landmarks) and values
+   (W = Z (K3 v) from the reference) as 16-bit high parts plus residuals, P and dS in halves, fp32 sums; the error of
+   d vals = K1ᵀ dO and d keys = dS1ᵀ q_s against float64, next to the all-fp32 arithmetic of the CUDA-core kernels
+   and the dtype's rounding.
+2. How far such an error moves dq, dk, dv: float64 autograd through the reference's math with noise of a given
+   relative size added to the gradients of W and of the landmark keys, at the shape of
+   tests/ops/test_nystrom_cuda.py::test_newton_iterations[20].
+Run: python scripts/nystrom_tc_precision.py (CPU, a few seconds). csrc/nystrom/NOTES.md quotes its output."""
+import torch
+
+from hf_attention_backends.ops.nystrom.reference import k2_inverse, repeat_kv, segment_means
+
+
+def rounded(x, dtype):
+    return x.float().to(dtype).double()
+
+
+def halves(x, dtype):
+    hi = rounded(x, dtype)
+    return hi, rounded(x - hi, dtype)
+
+
+def relative(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def buffer_gradient_errors(dtype, scale_in, m, n, iters, d=64, seed=0):
+    """(|W| / |out|, d vals error fp32 / tensor cores, d keys error fp32 / tensor cores) against float64."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (rounded(torch.randn(n, d, generator=g, dtype=torch.float64) * s, dtype)
+                     for s in (scale_in, scale_in, scale_in, 1.0))
+    r = d ** -0.25
+    q_land, k_land = segment_means(q * r, m), segment_means(k * r, m)
+    k2 = torch.softmax(q_land @ k_land.T, -1)
+    k3 = torch.softmax(q_land @ (k * r).T, -1)
+    w = k2_inverse(k2, iters, 0.0) @ (k3 @ v)
+
+    def grads(p_of, dp_of, split):
+        p = p_of()
+        dp = dp_of()
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        if split is None:
+            return p.T @ dout.to(p.dtype), ds.T @ q.to(p.dtype) * r
+        f = torch.float32
+        ph, pl = halves(p, split)
+        sh, sl = halves(ds, split)
+        return ((ph.to(f).T @ dout.to(f) + pl.to(f).T @ dout.to(f)).double(),
+                ((sh.to(f).T @ q.to(f) + sl.to(f).T @ q.to(f)) * r).double())
+
+    exact = grads(lambda: torch.softmax(q @ k_land.T * r, -1), lambda: dout @ w.T, None)
+    f = torch.float32
+    fp32 = [x.double() for x in grads(lambda: torch.softmax(q.to(f) @ k_land.to(f).T * r, -1),
+                                      lambda: dout.to(f) @ w.to(f).T, None)]
+    kh, kl = halves(k_land, dtype)
+    vh, vl = halves(w, dtype)
+    tc = grads(lambda: torch.softmax((q.to(f) @ kh.to(f).T + q.to(f) @ kl.to(f).T) * r, -1),
+               lambda: dout.to(f) @ vh.to(f).T + dout.to(f) @ vl.to(f).T, dtype)
+    ratio = (w.abs().max() / (torch.softmax(q @ k_land.T * r, -1) @ w).abs().max()).item()
+    return ratio, [(relative(a.double(), e), relative(b, e)) for a, b, e in zip(fp32, tc, exact)]
+
+
+def gradient_sensitivity(eps, seed=1):
+    """Relative change of (dq, dk, dv) when noise of relative size eps is added to dL/dW and dL/dK̃ (float64)."""
+    g = torch.Generator().manual_seed(0)
+    b, hq, hkv, n, d, m, iters = 2, 2, 1, 100, 32, 8, 20
+    q, k, v, dout = (torch.randn(b, h, n, d, generator=g).half().double() for h in (hq, hkv, hkv, hq))
+    r = d ** -0.25
+
+    def run(noise):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        qs, ks = leaves[0] * r, leaves[1] * r
+        k_land = repeat_kv(segment_means(ks, m), hq) * 1.0
+        q_land = segment_means(qs, m)
+        k2 = torch.softmax(q_land @ k_land.transpose(-1, -2), -1)
+        k3 = torch.softmax(q_land @ repeat_kv(ks, hq).transpose(-1, -2), -1)
+        w = k2_inverse(k2, iters, 0.0) @ (k3 @ repeat_kv(leaves[2], hq))
+        if noise:
+            gen = torch.Generator().manual_seed(seed)
+            for t in (w, k_land):
+                t.register_hook(lambda gr: gr + noise * gr.abs().amax()
+                                * torch.randn(gr.shape, generator=gen, dtype=gr.dtype))
+        out = torch.softmax(qs @ k_land.transpose(-1, -2), -1) @ w
+        return torch.autograd.grad(out, leaves, dout)
+
+    clean = run(0.0)
+    return [relative(a, c) for a, c in zip(run(eps), clean)]
+
+
+def main():
+    for dtype in (torch.bfloat16, torch.float16):
+        for scale_in, m, n, iters in ((1, 64, 4097, 20), (3, 32, 2049, 6), (10, 32, 333, 6), (1, 128, 4097, 20)):
+            ratio, (dv, dk) = buffer_gradient_errors(dtype, scale_in, m, n, iters)
+            rounding = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)
+            print(f"{str(dtype):15s} x{scale_in:<2} m={m:3d} N={n} NS {iters:2d} |W|/|out| {ratio:5.0f}: d vals fp32 "
+                  f"{dv[0]:.1e} tensor cores {dv[1]:.1e}; d keys fp32 {dk[0]:.1e} tensor cores {dk[1]:.1e}; "
+                  f"dtype rounding {rounding:.1e}")
+    for eps in (3e-6, 4e-5):
+        moved = ", ".join(f"{name} {x:.1e}" for name, x in zip(("dq", "dk", "dv"), gradient_sensitivity(eps)))
+        print(f"noise {eps:.0e} on dL/dW and dL/dK̃ moves {moved}")
+
+
+if __name__ == "__main__":
+    main()
