@@ -270,7 +270,7 @@ inline bool tensor_cores_enabled() {
 }
 
 // Whether the attention over the key/value buffer (the forward's output, the backward's row statistics) runs on
-// tensor cores: sm_90 always; sm_80 lacks the shared memory at D = 128 with more than 64 slots.
+// tensor cores: sm_90 always; sm_80 (163 KB per block) lacks the shared memory at D = 128 with more than 112 slots.
 template <int D>
 bool buffer_attention_on_tensor_cores(const Inputs& in, const c10::Device& device) {
   return tensor_cores_enabled() && tc::OutSmem<D>::bytes(in.p.slots) <= shared_memory_limit(device);
