@@ -32,10 +32,7 @@ dim3 grid_of(int64_t x, int64_t y, int64_t z) {
 // kernel<<<grid, 256, sizeof(Smem)>>>(bp) with its dynamic shared memory opted in (> 48 KB at D 128).
 template <typename Smem>
 void launch_with_smem(void (*kernel)(BwdParams), dim3 grid, const BwdParams& bp, cudaStream_t stream) {
-  constexpr int bytes = static_cast<int>(sizeof(Smem));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  kernel<<<grid, kThreads, bytes, stream>>>(bp);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_dynamic(kernel, grid, kThreads, static_cast<int>(sizeof(Smem)), bp, stream);
 }
 
 // Gradient of amax over the last dim (torch's rule: shared evenly among ties); g has one dim less than x.
@@ -133,7 +130,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   }
   // the buffer gradients on tensor cores where the GPU has the shared memory they need (73 KB at D 64, 103 at 128)
   constexpr int k1_tc_bytes = tc::K1Smem<D>::bytes;
-  const bool k1_tc = tensor_cores_enabled() && k1_tc_bytes <= shared_memory_limit(device);
+  const bool k1_tc = on_tensor_cores(k1_tc_bytes, device);
   const int64_t stiles = div_up(S, k1_tc ? tc::kK1Slots : K1Tiles<D>::BL);
   const auto [a_splits, a_chunk] = split_plan(N, k1_tc ? tc::K1Smem<D>::kQueries : K1Tiles<D>::BQ, stiles * bh);
   const at::Tensor part_dkeys = at::empty({a_splits, B, Hq, S, in.d}, f32);
@@ -142,10 +139,8 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   bp.part_dkeys = part_dkeys.data_ptr<float>();
   bp.part_dvals = part_dvals.data_ptr<float>();
   if (k1_tc) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(tc::nystrom_k1_tc_bwd_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        k1_tc_bytes));
-    tc::nystrom_k1_tc_bwd_kernel<T, D><<<grid_of(a_splits, stiles, bh), tc::kK1Threads, k1_tc_bytes, stream>>>(bp);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_dynamic(tc::nystrom_k1_tc_bwd_kernel<T, D>, grid_of(a_splits, stiles, bh), tc::kK1Threads, k1_tc_bytes, bp,
+                   stream);
   } else {
     launch_with_smem<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>, grid_of(a_splits, stiles, bh), bp,
                                                 stream);
@@ -165,7 +160,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     const at::Tensor ds2 = softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz, stream));
     dkl = ungroup(in, dkeys.masked_fill(ex, 0.0).add(tr(ds2).matmul(st.q_land))).contiguous();
     constexpr int k3_tc_bytes = tc::K3BwdSmem<D>::bytes;  // 41 / 73 / 137 KB at D 32 / 64 / 128
-    const bool k3_tc = tensor_cores_enabled() && k3_tc_bytes <= shared_memory_limit(device);
+    const bool k3_tc = on_tensor_cores(k3_tc_bytes, device);
     const int64_t ltiles = div_up(m, k3_tc ? tc::kK3Rows : K3BwdTiles<D>::BL);
     const auto [b_splits, b_chunk] = split_plan(N, k3_tc ? tc::kK3Keys : K3BwdTiles<D>::BK, ltiles * bh);
     part_dql = at::empty({b_splits, B, Hq, m, in.d}, f32);
@@ -175,10 +170,8 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     bp.b_chunk = static_cast<int>(b_chunk);
     bp.part_dql = part_dql.data_ptr<float>();
     if (k3_tc) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(tc::nystrom_k3_tc_bwd_kernel<T, D>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, k3_tc_bytes));
-      tc::nystrom_k3_tc_bwd_kernel<T, D><<<grid_of(b_splits, ltiles, bh), tc::kK3Threads, k3_tc_bytes, stream>>>(bp);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_dynamic(tc::nystrom_k3_tc_bwd_kernel<T, D>, grid_of(b_splits, ltiles, bh), tc::kK3Threads, k3_tc_bytes,
+                     bp, stream);
     } else {
       launch_with_smem<typename K3BwdTiles<D>::Smem>(nystrom_k3_bwd_kernel<T, D>, grid_of(b_splits, ltiles, bh), bp,
                                                      stream);
@@ -189,18 +182,15 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   }
 
   constexpr int kv_tc_bytes = tc::KvSmem<D>::bytes;  // 31 / 55 / 69 KB at D 32 / 64 / 128
-  if (tensor_cores_enabled() && kv_tc_bytes <= shared_memory_limit(device)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(tc::nystrom_kv_tc_bwd_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        kv_tc_bytes));
-    tc::nystrom_kv_tc_bwd_kernel<T, D><<<grid_of(div_up(N, tc::kK3Keys), in.hkv, B), tc::kK3Threads, kv_tc_bytes,
-                                         stream>>>(bp);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (on_tensor_cores(kv_tc_bytes, device)) {
+    launch_dynamic(tc::nystrom_kv_tc_bwd_kernel<T, D>, grid_of(div_up(N, tc::kK3Keys), in.hkv, B), tc::kK3Threads,
+                   kv_tc_bytes, bp, stream);
   } else {
     launch_with_smem<typename KvTiles<D>::Smem>(nystrom_kv_bwd_kernel<T, D>,
                                                 grid_of(div_up(N, KvTiles<D>::BK), in.hkv, B), bp, stream);
   }
   const int dq_tc_bytes = tc::DqSmem<D>::bytes(in.p.slots);  // 54 KB at D 64, m 32; 136 KB at D 128, m 64
-  if (tensor_cores_enabled() && dq_tc_bytes <= shared_memory_limit(device)) {
+  if (on_tensor_cores(dq_tc_bytes, device)) {
     launch_query_tiles(tc::nystrom_dq_tc_bwd_kernel<T, D>, bp, dq_tc_bytes, in, device, stream);
   } else {
     launch_with_smem<typename DqTiles<D>::Smem>(nystrom_dq_bwd_kernel<T, D>,

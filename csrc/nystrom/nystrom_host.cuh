@@ -160,13 +160,18 @@ struct State {
   at::Tensor keys, vals, nvalid;   // (B, Hq, slots, D) fp32 contiguous; (B,) int32
 };
 
+// kernel<<<grid, threads, bytes, stream>>>(arg) with its dynamic shared memory opted in (needed above 48 KB).
+template <typename Arg>
+void launch_dynamic(void (*kernel)(Arg), dim3 grid, int threads, int bytes, const Arg& arg, cudaStream_t stream) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  kernel<<<grid, threads, bytes, stream>>>(arg);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <int TM, int D>
 void launch_inverse(const InvParams& ip, int64_t blocks, cudaStream_t stream) {
-  constexpr int bytes = inv_smem_bytes<TM>();
-  C10_CUDA_CHECK(cudaFuncSetAttribute(nystrom_inverse_fwd_kernel<TM, D>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  nystrom_inverse_fwd_kernel<TM, D><<<static_cast<unsigned>(blocks), kThreads, bytes, stream>>>(ip);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_dynamic(nystrom_inverse_fwd_kernel<TM, D>, dim3(static_cast<unsigned>(blocks)), kThreads,
+                 inv_smem_bytes<TM>(), ip, stream);
 }
 
 // K2, Z (reference.k2_inverse) and W = Z W0 by nystrom_inverse_fwd_kernel, one block per (b, q head); with
@@ -269,11 +274,16 @@ inline bool tensor_cores_enabled() {
   return enabled;
 }
 
+// Whether a tensor-core kernel needing `bytes` of dynamic shared memory runs (else its CUDA-core twin).
+inline bool on_tensor_cores(int bytes, const c10::Device& device) {
+  return tensor_cores_enabled() && bytes <= shared_memory_limit(device);
+}
+
 // Whether the attention over the key/value buffer (the forward's output, the backward's row statistics) runs on
 // tensor cores: sm_90 always; sm_80 (163 KB per block) lacks the shared memory at D = 128 with more than 112 slots.
 template <int D>
 bool buffer_attention_on_tensor_cores(const Inputs& in, const c10::Device& device) {
-  return tensor_cores_enabled() && tc::OutSmem<D>::bytes(in.p.slots) <= shared_memory_limit(device);
+  return on_tensor_cores(tc::OutSmem<D>::bytes(in.p.slots), device);
 }
 
 // Launch a tensor-core kernel over query tiles (tc::attend_tiles, the dq kernel) with `bytes` of dynamic shared
@@ -284,10 +294,8 @@ void launch_query_tiles(void (*kernel)(Arg), const Arg& arg, int bytes, const In
   const int64_t tiles = div_up(in.n, tc::kBQ);
   const int64_t per_head = std::min(tiles, std::max<int64_t>(1, div_up(4 * multiprocessor_count(device),
                                                                        in.batch * in.hq)));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   const dim3 grid(static_cast<unsigned>(per_head), static_cast<unsigned>(in.hq), static_cast<unsigned>(in.batch));
-  kernel<<<grid, tc::kThreads, bytes, stream>>>(arg);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_dynamic(kernel, grid, tc::kThreads, bytes, arg, stream);
 }
 
 // W0 = K3 v (B, Hq, m, D): split-N partials from nystrom_k3_tc_fwd_kernel (or nystrom_k3_fwd_kernel), merged in a
@@ -311,14 +319,11 @@ at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr)
   p.part_acc = part_acc.data_ptr<float>();
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(ltiles), static_cast<unsigned>(bh));
   if (tensor_cores) {
-    constexpr int bytes = tc::K3Smem<D>::bytes;  // <= 70 KB: every sm_80+ GPU
-    C10_CUDA_CHECK(cudaFuncSetAttribute(tc::nystrom_k3_tc_fwd_kernel<T, D>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    tc::nystrom_k3_tc_fwd_kernel<T, D><<<grid, tc::kK3Threads, bytes, stream>>>(p);
+    launch_dynamic(tc::nystrom_k3_tc_fwd_kernel<T, D>, grid, tc::kK3Threads, tc::K3Smem<D>::bytes, p, stream);
   } else {
     nystrom_k3_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   at::Tensor w0 = at::empty({in.batch, in.hq, in.m, in.d}, f32);
   if (lse != nullptr) *lse = at::empty({in.batch, in.hq, in.m}, f32);
   const int64_t rows = bh * in.m;
