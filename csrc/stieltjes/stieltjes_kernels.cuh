@@ -2,8 +2,9 @@
 //
 // Math (hf_attention_backends/ops/stieltjes/reference.py): s = scale q k^T over allowed keys (causal bottom-right
 // aligned: query i sees key j <= i + Nk - Nq; key padding; GQA query head h reads kv head h / groups),
-// x = s - rowmax, lambda solves sum_j (lambda - x_j)^(-order) = 1 (Newton on f^(-1/order) - 1 from
-// max(1, n^(1/order) + mean x), newton_iter steps, clamp >= 1: the reference's solver step for step),
+// x = s - rowmax, lambda solves sum_j (lambda - x_j)^(-order) = 1 (Newton, or clamped Halley at order >= 4, on
+// f^(-1/order) - 1 from max(1, n^(1/order) + mean x), newton_iter steps, clamp >= 1: the reference's solver step
+// for step),
 // P = (lambda - x)^(-order), out = P v / sum P. Backward at the saved lambda (implicit function theorem):
 // r = (lambda - x)^(-order-1), delta = sum dP r / sum r, dS = order r (dP - delta), dq = scale dS k,
 // dk = scale dS^T q, dv = (P / sum P)^T dO. Rows with no allowed key: out 0, rowmax 0, lambda 1, no gradient.
@@ -11,7 +12,7 @@
 // Kernels (128 threads = 4 warps, each warp owns 16 rows of the block; tiles in dynamic shared memory):
 //   stieltjes_fwd_kernel  (query block of 64, q head, batch): Q fragments stay in registers; sweeps over
 //                         the key tiles of 64 (computed in sub-tiles of 32 keys): stats (max, count, sum),
-//                         newton_iter Newton sweeps, output sweep; only sub-tiles with a disallowed pair
+//                         newton_iter solver sweeps, output sweep; only sub-tiles with a disallowed pair
 //                         (diagonal, padding, ragged ends) do per-element mask work (their raw scores set
 //                         to -inf; needs scale > 0)
 //   stieltjes_dq_kernel   (query block of 64, q head, batch), key tiles of 32: sweep 1 delta and sum P
@@ -23,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/mma.cuh"
 #include "common/strides.cuh"
@@ -72,10 +74,10 @@ __device__ __forceinline__ float rcp_approx(float x) {  // rcp(+inf) = +0
   return r;
 }
 
-// p = y^(-order), r = y^(-order-1) for y >= 1 (y = +inf gives 0, 0). IORD: 2 or 4 fast paths (one MUFU),
-// 0 = any order (three MUFU).
+// p = y^(-order), r = y^(-order-1) for y >= 1 (y = +inf gives 0, 0); returns 1/y. IORD: 2 or 4 fast paths (one
+// MUFU), 0 = any order (three MUFU).
 template <int IORD>
-__device__ __forceinline__ void powers(float y, float order, float& p, float& r) {
+__device__ __forceinline__ float powers(float y, float order, float& p, float& r) {
   const float inv = rcp_approx(y);
   if constexpr (IORD == 4) {
     const float i2 = inv * inv;
@@ -86,6 +88,26 @@ __device__ __forceinline__ void powers(float y, float order, float& p, float& r)
     p = exp2f(-order * __log2f(y));
   }
   r = p * inv;
+  return inv;
+}
+
+constexpr float kHalleyMinOrder = 4.f;  // reference.HALLEY_MIN_ORDER: clamped Halley steps from this order, Newton below
+
+// One solver step of reference.solve_lambda from a row's sums f = sum y^-order, s1 = sum y^(-order-1) and, for
+// HALLEY, s2 = sum y^(-order-2); upper = n^(1/order), above the root.
+template <bool HALLEY>
+__device__ __forceinline__ float solver_step(float lam, float f, float s1, float s2, float order, float inv_order,
+                                             float upper) {
+  const float w = exp2f(__log2f(f) * inv_order);
+  float next = lam + f * (w - 1.f) / s1;  // Newton: never passes the root
+  if constexpr (HALLEY) {
+    const float den = 2.f * s1 * s1 + (w - 1.f) * (order + 1.f) * (s1 * s1 - f * s2);
+    if (den > 0.f) {
+      const float halley = lam + 2.f * (w - 1.f) * s1 * f / den;
+      if (halley > next) next = fmaxf(next, fminf(halley, upper));
+    }
+  }
+  return fmaxf(1.f, next);
 }
 
 // Rows [row0, row0 + ROWS) of a matrix with D contiguous elements per row, `stride` elements apart; rows >= n
@@ -321,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
           sum[e / 2] += s[j][e];
         }
   });
-  float lam[2], neg_m[2];
+  float lam[2], neg_m[2], upper[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     m[r] = mma::quad_max(m[r]) * scale;
@@ -329,28 +351,39 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
     sum[r] = mma::quad_sum(sum[r]) * scale;
     if (cnt[r] == 0.f) m[r] = 0.f;  // empty row: every pair is masked, every y is +inf
     neg_m[r] = -m[r];
-    lam[r] = cnt[r] > 0.f ? fmaxf(1.f, exp2f(__log2f(cnt[r]) * inv_order) + (sum[r] / cnt[r] - m[r])) : 1.f;
+    upper[r] = exp2f(__log2f(cnt[r]) * inv_order);
+    lam[r] = cnt[r] > 0.f ? fmaxf(1.f, upper[r] + (sum[r] / cnt[r] - m[r])) : 1.f;
   }
 
-  for (int it = 0; it < p.newton_iter; ++it) {
-    float f[2] = {0.f, 0.f}, s1[2] = {0.f, 0.f};
+  // one solver sweep: the row sums at lam, then solver_step (s2 only for Halley)
+  auto solve = [&](auto halley) {
+    constexpr bool kHalley = decltype(halley)::value;
+    float f[2] = {0.f, 0.f}, s1[2] = {0.f, 0.f}, s2[2] = {0.f, 0.f};
     sweep(false, [&](float (&s)[NT][4], int, int, bool) {
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float pp, rr;
-          powers<IORD>(lam[e / 2] - fmaf(s[j][e], scale, neg_m[e / 2]), order, pp, rr);
+          const float inv = powers<IORD>(lam[e / 2] - fmaf(s[j][e], scale, neg_m[e / 2]), order, pp, rr);
           f[e / 2] += pp;
           s1[e / 2] += rr;
+          if constexpr (kHalley) s2[e / 2] = fmaf(rr, inv, s2[e / 2]);
         }
     });
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       f[r] = mma::quad_sum(f[r]);
       s1[r] = mma::quad_sum(s1[r]);
-      if (cnt[r] > 0.f) lam[r] = fmaxf(1.f, lam[r] + f[r] * (exp2f(__log2f(f[r]) * inv_order) - 1.f) / s1[r]);
+      if constexpr (kHalley) s2[r] = mma::quad_sum(s2[r]);
+      if (cnt[r] > 0.f) lam[r] = solver_step<kHalley>(lam[r], f[r], s1[r], s2[r], order, inv_order, upper[r]);
     }
+  };
+  for (int it = 0; it < p.newton_iter; ++it) {
+    if constexpr (IORD == 4) solve(std::true_type{});
+    else if constexpr (IORD == 2) solve(std::false_type{});
+    else if (order >= kHalleyMinOrder) solve(std::true_type{});
+    else solve(std::false_type{});
   }
 
   float o[D / 8][4], l[2] = {0.f, 0.f};

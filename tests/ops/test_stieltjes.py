@@ -108,7 +108,7 @@ def test_default_steps_per_order_within_1e3_of_root(order, nk):
 
 
 def test_default_newton_iter_depends_on_order():
-    assert [default_newton_iter(o) for o in (1.0, 1.9, 2.0, 2.4, 2.5, 3.9, 4.0, 16.0)] == [6, 6, 5, 5, 4, 4, 3, 3]
+    assert [default_newton_iter(o) for o in (1.0, 1.9, 2.0, 2.4, 2.5, 3.9, 4.0, 16.0)] == [6, 6, 5, 5, 4, 4, 2, 2]
     q, k, v = make_qkv(1, 2, 1, 5, 9, 8, dtype=torch.float32, seed=12)
     assert torch.equal(run(q, k, v, order=2.0), run(q, k, v, order=2.0, newton_iter=5))
     assert not torch.equal(run(q, k, v, order=2.0), run(q, k, v, order=2.0, newton_iter=3))
@@ -117,9 +117,32 @@ def test_default_newton_iter_depends_on_order():
         StieltjesConfig(newton_iter=0)
 
 
-@pytest.mark.parametrize("order", [1.0, 8.0])
+@pytest.mark.parametrize("order", [4.0, 8.0])
+def test_halley_steps_stay_bracketed_and_converge(order):
+    """order >= 4: clamped Halley steps stay in [1, n^(1/order)], never fall behind the Newton step from the same
+    lambda, reach the root, and with equal scores one step is exact."""
+    x = -torch.rand(3, 40, dtype=torch.float64) * 5
+    x[:, 0] = 0.0
+    ok = torch.ones_like(x, dtype=torch.bool)
+    root = reference.solve_lambda(x, ok, order, CONVERGED)
+    assert_close_to_oracle(((root[..., None] - x) ** -order).sum(-1), torch.ones(3, dtype=torch.float64),
+                           atol=1e-12, rtol=0, name="f(root)")
+    for it in range(1, 8):
+        before = reference.solve_lambda(x, ok, order, it - 1)
+        lam = reference.solve_lambda(x, ok, order, it)
+        y = before[..., None] - x
+        f, s1 = (y ** -order).sum(-1), (y ** (-order - 1)).sum(-1)
+        newton = before + f * (f ** (1 / order) - 1) / s1
+        assert (lam >= newton - 1e-12).all() and (lam >= 1).all() and (lam <= 40 ** (1 / order) + 1e-12).all()
+    assert_close_to_oracle(reference.solve_lambda(x, ok, order, 3), root, atol=1e-10, rtol=0, name="3 steps")
+    flat = torch.zeros(2, 40, dtype=torch.float64)
+    assert_close_to_oracle(reference.solve_lambda(flat, ok[:2], order, 1),
+                           torch.full((2,), 40 ** (1 / order), dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("order", [1.0, 2.0])
 def test_solver_monotone_lower_bound_exact_for_uniform(order):
-    """Newton from the start never passes the root; with equal scores one step is exact."""
+    """Newton (order < 4) from the start never passes the root; with equal scores one step is exact."""
     x = -torch.rand(3, 40, dtype=torch.float64) * 5
     x[:, 0] = 0.0
     ok = torch.ones_like(x, dtype=torch.bool)

@@ -63,13 +63,13 @@ stieltjes_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def default_newton_iter(order: float) -> int:
-    """The solver steps that keep the output within 1e-3 (relative) of the exact-root output at this order: 3 for
-    order >= 4, 4 from 2.5, 5 from 2, else 6. Each is at least the most any case of ``python -m
-    benchmarks.stieltjes_solver --steps-needed`` needed to reach 3e-4 (scores of standard normal q, k times
-    0.05..10, N 1..16384, float64); with a fixed 3 the output was 3e-1 off at order 1 (``csrc/stieltjes/NOTES.md``,
-    "Steps per order")."""
-    if order >= 4.0:
-        return 3
+    """The solver steps that keep the output within 1e-3 (relative) of the exact-root output at this order: 2 clamped
+    Halley steps for order >= 4; Newton steps below: 4 from 2.5, 5 from 2, else 6. Each is at least the most any
+    case of ``python -m benchmarks.stieltjes_solver --steps-needed`` needed to reach 3e-4 (scores of standard
+    normal q, k times 0.05..10, N 1..16384, float64); with a fixed 3 Newton steps the output was 3e-1 off at order 1
+    (``csrc/stieltjes/NOTES.md``, "Steps per order")."""
+    if order >= reference.HALLEY_MIN_ORDER:
+        return 2
     if order >= 2.5:
         return 4
     return 5 if order >= 2.0 else 6
@@ -114,8 +114,9 @@ def stieltjes_attention(q: Tensor, k: Tensor, v: Tensor, *, order: float = 4.0, 
         k, v: (B, Hkv, Nk, D), same dtype and device; Hq must be a multiple of Hkv (GQA/MQA:
             query head h reads kv head h // (Hq / Hkv)).
         order: the power, a finite number >= 1 (default 4.0).
-        newton_iter: Newton steps for lambda, 1..100; None (default): ``default_newton_iter(order)``, 3 at
-            order >= 4 and up to 6 at order < 2, which keeps the output within 1e-3 (relative, fp32 compute)
+        newton_iter: solver steps for lambda (clamped Halley at order >= 4, Newton below), 1..100; None
+            (default): ``default_newton_iter(order)``, 2 at order >= 4 and up to 6 Newton steps at order < 2,
+            which keeps the output within 1e-3 (relative, fp32 compute)
             of the output at the exact root for scores of q, k up to 10x standard normal (each step is one
             more pass over the keys in the CUDA kernel).
         causal: bottom-right aligned causal mask (query i sees keys j <= i + Nk - Nq).
