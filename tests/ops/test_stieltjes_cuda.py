@@ -278,7 +278,7 @@ def test_public_function_autograd_uses_the_kernels():
     dout = torch.randn_like(out)
     out.backward(dout)
     (out_k, _, _), (dq, dk, dv) = run_kernel(q.detach(), k.detach(), v.detach(), dout, causal=True, mask=mask,
-                                             newton_iter=3)
+                                             newton_iter=default_newton_iter(4.0))
     assert torch.equal(out, out_k)
     assert torch.equal(q.grad, dq) and torch.equal(k.grad, dk) and torch.equal(v.grad, dv)
 
