@@ -49,23 +49,25 @@ at::Tensor ns_backward(const NsSaved& saved, at::Tensor gz, cudaStream_t stream)
   at::Tensor da = at::zeros_like(a);
   if (iters > 0) {
     const int64_t tm = m <= 32 ? 2 : m <= 64 ? 4 : 8, mp = 16 * tm;
+    std::vector<int64_t> padded(a.sizes().begin(), a.sizes().end());  // (..., mp, mp): the kernel's layout
+    padded[a.dim() - 2] = padded[a.dim() - 1] = mp;
+    da = at::empty(padded, a.options()).narrow(-2, 0, m).narrow(-1, 0, m);
     const at::Tensor gz_in = gz.contiguous();
-    const at::Tensor scratch = at::empty({bh, kNsBuffers, mp, mp}, a.options());
+    const at::Tensor scratch = tm == 8 ? at::empty({bh, kNsBuffers, mp, mp + 1}, a.options()) : at::Tensor();
     gz = at::empty_like(gz_in);
     NsBwdParams np{};
     np.a = a.data_ptr<float>();
     np.zs = saved.zs_all.data_ptr<float>();
     np.gz = gz_in.data_ptr<float>();
-    np.da = da.data_ptr<float>();
+    np.da = da.data_ptr<float>();  // offset 0 of the padded buffer
     np.gz0 = gz.data_ptr<float>();
-    np.scratch = scratch.data_ptr<float>();
+    np.scratch = scratch.defined() ? scratch.data_ptr<float>() : nullptr;
     np.m = static_cast<int>(m);
     np.iters = static_cast<int>(iters);
-    const unsigned grid = static_cast<unsigned>(bh);
-    if (tm == 2) nystrom_ns_bwd_kernel<2><<<grid, kThreads, 0, stream>>>(np);
-    else if (tm == 4) nystrom_ns_bwd_kernel<4><<<grid, kThreads, 0, stream>>>(np);
-    else nystrom_ns_bwd_kernel<8><<<grid, kThreads, 0, stream>>>(np);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const dim3 grid(static_cast<unsigned>(bh));
+    if (tm == 2) launch_dynamic(nystrom_ns_bwd_kernel<2>, grid, kThreads, ns_bwd_smem_bytes<2>(), np, stream);
+    else if (tm == 4) launch_dynamic(nystrom_ns_bwd_kernel<4>, grid, kThreads, ns_bwd_smem_bytes<4>(), np, stream);
+    else launch_dynamic(nystrom_ns_bwd_kernel<8>, grid, kThreads, ns_bwd_smem_bytes<8>(), np, stream);
   }
   da = da.add(gz.transpose(-1, -2).div(saved.s));
   const at::Tensor ds = gz.mul(saved.zs[0]).sum({-1, -2}).neg().div(saved.s.squeeze(-1).squeeze(-1));

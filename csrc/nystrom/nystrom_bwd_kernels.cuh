@@ -497,22 +497,40 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_dq_bwd_kernel(const BwdPa
 //   t1 = 7I − M, t2 = 15I − M t1, t3 = 13I − M t2, dZ_i = ¼ gz t3ᵀ, dV = −¼ Z_iᵀ gz, dU = −Mᵀ dV,
 //   dM = dV t2ᵀ + dU t1ᵀ − Mᵀ dU, da += dM Z_iᵀ, gz ← dZ_i + Aᵀ dM.
 // Outputs da (the part of dL/dA through the products) and gz = dL/dZ₀. Matrices padded to MP = 16 TM with
-// zeros in the block's own global scratch (L1/L2 resident); thread (ty, tx) owns rows ty + 16 i and columns
-// tx + 16 j; every product sums over k < m only. Each product writes buffers that no thread reads in the
-// same phase, then one barrier. The two products with A (M = A Z_i, Aᵀ dM) accumulate in double: near
-// convergence Z_i ≈ A⁺, their terms cancel (max |A||Z_i| / max |A Z_i| ≈ 2e3 for cond(A) ≈ 1e4 at
-// newton_iter 20, m 8) and float sums left dA with a 2e-3 relative error (issue 4).
+// zeros, rows ns_ld<TM>() floats apart (one more than MP: the transposed reads are conflict-free), in dynamic
+// shared memory for m <= 64 (ns_bwd_smem_bytes) and in the block's own global scratch for m > 64 (9 x 66 KB would
+// not fit a block); thread (ty, tx) owns rows ty + 16 i and columns tx + 16 j; every product sums over k < m only.
+// Each product writes buffers that no thread reads in the same phase, then one barrier. The two products with A
+// (M = A Z_i, Aᵀ dM) accumulate in double: near convergence Z_i ≈ A⁺, their terms cancel (max |A||Z_i| /
+// max |A Z_i| ≈ 2e3 for cond(A) ≈ 1e4 at newton_iter 20, m 8) and float sums left dA with a 2e-3 relative error
+// (issue 4).
 struct NsBwdParams {
   const float* a;    // (B Hq, m, m) the matrix NS inverted
   const float* zs;   // (B Hq, iters + 1, m, m) the iterates Z_0 .. Z_iters
   const float* gz;   // (B Hq, m, m) dL/dZ_iters
-  float* da;         // (B Hq, m, m) out
+  float* da;         // (B Hq, MP, MP) out (its m x m block is dA; no predicate per owned entry)
   float* gz0;        // (B Hq, m, m) out: dL/dZ_0
-  float* scratch;    // (B Hq, kNsBuffers, MP, MP)
+  float* scratch;    // m > 64: (B Hq, kNsBuffers, MP, ns_ld) ; else unused
   int m, iters;
 };
 
-constexpr int kNsBuffers = 11;
+constexpr int kNsBuffers = 9;
+
+template <int TM>
+constexpr int ns_ld() {
+  return 16 * TM + 1;
+}
+
+template <int TM>
+constexpr bool ns_in_shared() {
+  return TM <= 4;
+}
+
+// Dynamic shared memory of nystrom_ns_bwd_kernel<TM>: 38 KB for m <= 32, 146 KB for m <= 64, none above.
+template <int TM>
+constexpr int ns_bwd_smem_bytes() {
+  return ns_in_shared<TM>() ? kNsBuffers * 16 * TM * ns_ld<TM>() * static_cast<int>(sizeof(float)) : 0;
+}
 
 // inv_product with double accumulators, rounded once to float (operands converted once per k).
 template <int TM, typename LP, typename LQ>
@@ -541,67 +559,71 @@ __device__ __forceinline__ void inv_product_f64(float (&out)[TM][TM], int kdim, 
 
 template <int TM>
 __global__ void __launch_bounds__(kThreads) nystrom_ns_bwd_kernel(const NsBwdParams p) {
-  constexpr int MP = 16 * TM, MM = MP * MP;
+  constexpr int MP = 16 * TM, LD = ns_ld<TM>(), MM = MP * LD;
+  extern __shared__ float4 ns_smem[];
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, m = p.m;
   const long long bh = blockIdx.x, mm2 = (long long)m * m;
-  float* const a = p.scratch + bh * kNsBuffers * MM;
-  float* const mz = a + MM;
-  float* const t1 = a + 2 * MM;
-  float* const t2 = a + 3 * MM;
-  float* const t3 = a + 4 * MM;
-  float* const gz = a + 5 * MM;
-  float* const dz = a + 6 * MM;
+  float* const a = ns_in_shared<TM>() ? reinterpret_cast<float*>(ns_smem) : p.scratch + bh * kNsBuffers * MM;
+  float* const zb = a + MM;
+  float* const mz = a + 2 * MM;
+  float* const t1 = a + 3 * MM;
+  float* const t2 = a + 4 * MM;
+  float* const t3 = a + 5 * MM;  // t3, then dM (t3 is dead once dZ_i is formed)
+  float* const dm = t3;
+  float* const gz = a + 6 * MM;  // gz, then dZ_i, then the next gz
   float* const dv = a + 7 * MM;
   float* const du = a + 8 * MM;
-  float* const dm = a + 9 * MM;
-  float* const da = a + 10 * MM;
-  for (int e = threadIdx.x; e < MM; e += kThreads) {
-    const int r = e / MP, c = e % MP;
-    const bool in = r < m && c < m;
-    a[e] = in ? p.a[bh * mm2 + r * m + c] : 0.f;
-    gz[e] = in ? p.gz[bh * mm2 + r * m + c] : 0.f;
-  }
-  __syncthreads();
-  auto at = [](const float* x) { return [x](int r, int c) { return x[r * MP + c]; }; };
-  auto tr = [](const float* x) { return [x](int r, int c) { return x[c * MP + r]; }; };
+  float* const da = p.da + bh * MP * MP;  // owner-only accumulation straight into the output
+  // m x m row-major global matrix -> padded buffer (zeros outside the m x m block)
+  auto load_padded = [m](float* dst, const float* src) {
+    for (int e = threadIdx.x; e < MM; e += kThreads) {
+      const int r = e / LD, c = e % LD;
+      dst[e] = r < m && c < m ? src[r * m + c] : 0.f;
+    }
+  };
+  load_padded(a, p.a + bh * mm2);
+  load_padded(gz, p.gz + bh * mm2);
+  auto at = [](const float* x) { return [x](int r, int c) { return x[r * LD + c]; }; };
+  auto tr = [](const float* x) { return [x](int r, int c) { return x[c * LD + r]; }; };
   auto eye = [m](int r, int c, float v) { return r == c && r < m ? v : 0.f; };
   float acc[TM][TM], dacc[TM][TM];
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
-    for (int j = 0; j < TM; ++j) da[(ty + 16 * i) * MP + tx + 16 * j] = 0.f;  // owner-only from here on
-  // acc → out[r][c] = f(r, c, acc) on this thread's entries
-  auto store = [&](float* out, auto f) {
+    for (int j = 0; j < TM; ++j) da[(ty + 16 * i) * MP + tx + 16 * j] = 0.f;
+  // x → out[r][c] = f(r, c, x[i][j]) on this thread's entries
+  auto store = [&](float* out, const float (&x)[TM][TM], auto f) {
 #pragma unroll
     for (int i = 0; i < TM; ++i)
 #pragma unroll
       for (int j = 0; j < TM; ++j) {
         const int r = ty + 16 * i, c = tx + 16 * j;
-        out[r * MP + c] = f(r, c, acc[i][j]);
+        out[r * LD + c] = f(r, c, x[i][j]);
       }
   };
+  auto copy = [](int, int, float x) { return x; };
 
   for (int it = p.iters - 1; it >= 0; --it) {
-    const float* zi = p.zs + (bh * (p.iters + 1) + it) * mm2;
-    auto z = [zi, m](int r, int c) { return r < m && c < m ? zi[r * m + c] : 0.f; };
-    auto zt = [zi, m](int r, int c) { return r < m && c < m ? zi[c * m + r] : 0.f; };
-    inv_product_f64(acc, m, at(a), z, ty, tx);  // M = A Z_i
-    store(mz, [](int, int, float x) { return x; });
-    store(t1, [&](int r, int c, float x) { return eye(r, c, 7.f) - x; });
+    load_padded(zb, p.zs + (bh * (p.iters + 1) + it) * mm2);  // Z_i; the previous readers passed a barrier
+    __syncthreads();
+    inv_product_f64(acc, m, at(a), at(zb), ty, tx);  // M = A Z_i
+    store(mz, acc, copy);
+    store(t1, acc, [&](int r, int c, float x) { return eye(r, c, 7.f) - x; });
     __syncthreads();
     inv_product(acc, m, at(mz), at(t1), ty, tx);
-    store(t2, [&](int r, int c, float x) { return eye(r, c, 15.f) - x; });
+    store(t2, acc, [&](int r, int c, float x) { return eye(r, c, 15.f) - x; });
     __syncthreads();
     inv_product(acc, m, at(mz), at(t2), ty, tx);
-    store(t3, [&](int r, int c, float x) { return eye(r, c, 13.f) - x; });
+    store(t3, acc, [&](int r, int c, float x) { return eye(r, c, 13.f) - x; });
     __syncthreads();
-    inv_product(acc, m, at(gz), tr(t3), ty, tx);
-    store(dz, [](int, int, float x) { return 0.25f * x; });
-    inv_product(acc, m, zt, at(gz), ty, tx);
-    store(dv, [](int, int, float x) { return -0.25f * x; });
+    inv_product(dacc, m, at(gz), tr(t3), ty, tx);  // 4 dZ_i
+    inv_product(acc, m, tr(zb), at(gz), ty, tx);   // -4 dV
+    __syncthreads();                               // every read of gz is done
+    store(gz, dacc, [](int, int, float x) { return 0.25f * x; });
+    store(dv, acc, [](int, int, float x) { return -0.25f * x; });
     __syncthreads();
     inv_product(acc, m, tr(mz), at(dv), ty, tx);
-    store(du, [](int, int, float x) { return -x; });
+    store(du, acc, [](int, int, float x) { return -x; });
     __syncthreads();
     inv_product(dacc, m, at(dv), tr(t2), ty, tx);
     inv_product(acc, m, at(du), tr(t1), ty, tx);
@@ -613,18 +635,20 @@ __global__ void __launch_bounds__(kThreads) nystrom_ns_bwd_kernel(const NsBwdPar
 #pragma unroll
     for (int i = 0; i < TM; ++i)
 #pragma unroll
-      for (int j = 0; j < TM; ++j) dm[(ty + 16 * i) * MP + tx + 16 * j] = dacc[i][j] - acc[i][j];
+      for (int j = 0; j < TM; ++j) dacc[i][j] -= acc[i][j];
+    store(dm, dacc, copy);
     __syncthreads();
-    inv_product(acc, m, at(dm), zt, ty, tx);
-    store(da, [&](int r, int c, float x) { return da[r * MP + c] + x; });
+    inv_product(acc, m, at(dm), tr(zb), ty, tx);
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TM; ++j) da[(ty + 16 * i) * MP + tx + 16 * j] += acc[i][j];
     inv_product_f64(acc, m, tr(a), at(dm), ty, tx);
-    store(gz, [&](int r, int c, float x) { return dz[r * MP + c] + x; });
+    store(gz, acc, [&](int r, int c, float x) { return gz[r * LD + c] + x; });
     __syncthreads();
   }
   for (int e = threadIdx.x; e < m * m; e += kThreads) {  // after the last barrier: any thread may copy
-    const int r = e / m, c = e % m;
-    p.da[bh * mm2 + e] = da[r * MP + c];
-    p.gz0[bh * mm2 + e] = gz[r * MP + c];
+    p.gz0[bh * mm2 + e] = gz[(e / m) * LD + e % m];
   }
 }
 
