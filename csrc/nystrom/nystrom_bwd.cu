@@ -35,47 +35,31 @@ void launch_with_smem(void (*kernel)(BwdParams), dim3 grid, const BwdParams& bp,
   launch_dynamic(kernel, grid, kThreads, static_cast<int>(sizeof(Smem)), bp, stream);
 }
 
-// Gradient of amax over the last dim (torch's rule: shared evenly among ties); g has one dim less than x.
-at::Tensor amax_vjp(const at::Tensor& x, const at::Tensor& g) {
-  const at::Tensor tie = x.eq(x.amax(-1, true)).to(x.scalar_type());
-  return tie.mul(g.unsqueeze(-1).div(tie.sum(-1, true)));
-}
-
-// dA of NS(A) given dZ_iters: the steps by nystrom_ns_bwd_kernel, then the ‖A‖₁‖A‖∞ normalisation of Z₀
-// = Aᵀ / s (amax ties shared evenly, as torch does).
-at::Tensor ns_backward(const NsSaved& saved, at::Tensor gz, cudaStream_t stream) {
+// dA of NS(A) given dZ_iters, by nystrom_ns_bwd_kernel: back through every step, then the ‖A‖₁‖A‖∞ normalisation
+// of Z₀ = Aᵀ / s (amax ties shared evenly, as torch does).
+at::Tensor ns_backward(const NsSaved& saved, const at::Tensor& gz, cudaStream_t stream) {
   const at::Tensor& a = saved.a;
   const int64_t m = a.size(-1), bh = a.numel() / (m * m), iters = saved.zs_all.size(2) - 1;
-  at::Tensor da = at::zeros_like(a);
-  if (iters > 0) {
-    const int64_t tm = m <= 32 ? 2 : m <= 64 ? 4 : 8, mp = 16 * tm;
-    std::vector<int64_t> padded(a.sizes().begin(), a.sizes().end());  // (..., mp, mp): the kernel's layout
-    padded[a.dim() - 2] = padded[a.dim() - 1] = mp;
-    da = at::empty(padded, a.options()).narrow(-2, 0, m).narrow(-1, 0, m);
-    const at::Tensor gz_in = gz.contiguous();
-    const at::Tensor scratch = tm == 8 ? at::empty({bh, kNsBuffers, mp, mp + 1}, a.options()) : at::Tensor();
-    gz = at::empty_like(gz_in);
-    NsBwdParams np{};
-    np.a = a.data_ptr<float>();
-    np.zs = saved.zs_all.data_ptr<float>();
-    np.gz = gz_in.data_ptr<float>();
-    np.da = da.data_ptr<float>();  // offset 0 of the padded buffer
-    np.gz0 = gz.data_ptr<float>();
-    np.scratch = scratch.defined() ? scratch.data_ptr<float>() : nullptr;
-    np.m = static_cast<int>(m);
-    np.iters = static_cast<int>(iters);
-    const dim3 grid(static_cast<unsigned>(bh));
-    if (tm == 2) launch_dynamic(nystrom_ns_bwd_kernel<2>, grid, kThreads, ns_bwd_smem_bytes<2>(), np, stream);
-    else if (tm == 4) launch_dynamic(nystrom_ns_bwd_kernel<4>, grid, kThreads, ns_bwd_smem_bytes<4>(), np, stream);
-    else launch_dynamic(nystrom_ns_bwd_kernel<8>, grid, kThreads, ns_bwd_smem_bytes<8>(), np, stream);
-  }
-  da = da.add(gz.transpose(-1, -2).div(saved.s));
-  const at::Tensor ds = gz.mul(saved.zs[0]).sum({-1, -2}).neg().div(saved.s.squeeze(-1).squeeze(-1));
-  const at::Tensor col_sums = a.abs().sum(-2), row_sums = a.abs().sum(-1);
-  const at::Tensor col = col_sums.amax(-1), row = row_sums.amax(-1);  // s = col · row
-  const at::Tensor dcol = amax_vjp(col_sums, ds.mul(row));  // (..., m) per column
-  const at::Tensor drow = amax_vjp(row_sums, ds.mul(col));  // (..., m) per row
-  return da.add(a.sign().mul(dcol.unsqueeze(-2).add(drow.unsqueeze(-1))));
+  const int64_t tm = m <= 32 ? 2 : m <= 64 ? 4 : 8, mp = 16 * tm;
+  const at::Tensor gz_in = gz.contiguous();
+  const at::Tensor da_steps = at::empty({bh, mp, mp}, a.options());
+  const at::Tensor scratch = tm == 8 ? at::empty({bh, kNsBuffers, mp, mp + 1}, a.options()) : at::Tensor();
+  at::Tensor da = at::empty_like(a, at::MemoryFormat::Contiguous);
+  NsBwdParams np{};
+  np.a = a.data_ptr<float>();
+  np.s = saved.s.data_ptr<float>();
+  np.zs = saved.zs_all.data_ptr<float>();
+  np.gz = gz_in.data_ptr<float>();
+  np.da = da.data_ptr<float>();
+  np.da_steps = da_steps.data_ptr<float>();
+  np.scratch = scratch.defined() ? scratch.data_ptr<float>() : nullptr;
+  np.m = static_cast<int>(m);
+  np.iters = static_cast<int>(iters);
+  const dim3 grid(static_cast<unsigned>(bh));
+  if (tm == 2) launch_dynamic(nystrom_ns_bwd_kernel<2>, grid, kThreads, ns_bwd_smem_bytes<2>(), np, stream);
+  else if (tm == 4) launch_dynamic(nystrom_ns_bwd_kernel<4>, grid, kThreads, ns_bwd_smem_bytes<4>(), np, stream);
+  else launch_dynamic(nystrom_ns_bwd_kernel<8>, grid, kThreads, ns_bwd_smem_bytes<8>(), np, stream);
+  return da;
 }
 
 at::Tensor k2_inverse_backward(const NsSaved& saved, const at::Tensor& gz, cudaStream_t stream) {

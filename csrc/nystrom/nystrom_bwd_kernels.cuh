@@ -496,7 +496,8 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_dq_bwd_kernel(const BwdPa
 // Z ← ¼Z(13I − M(15I − M(7I − M))), M = AZ_i (the saved iterates), as the host's reference formula:
 //   t1 = 7I − M, t2 = 15I − M t1, t3 = 13I − M t2, dZ_i = ¼ gz t3ᵀ, dV = −¼ Z_iᵀ gz, dU = −Mᵀ dV,
 //   dM = dV t2ᵀ + dU t1ᵀ − Mᵀ dU, da += dM Z_iᵀ, gz ← dZ_i + Aᵀ dM.
-// Outputs da (the part of dL/dA through the products) and gz = dL/dZ₀. Matrices padded to MP = 16 TM with
+// Then dL/dA through Z₀ = Aᵀ / s, s = ‖A‖₁‖A‖∞ (max column |.| sum x max row |.| sum; an amax tie shares its
+// gradient evenly, as torch's amax), so the block writes the whole dL/dA. Matrices padded to MP = 16 TM with
 // zeros, rows ns_ld<TM>() floats apart (one more than MP: the transposed reads are conflict-free), in dynamic
 // shared memory for m <= 64 (ns_bwd_smem_bytes) and in the block's own global scratch for m > 64 (9 x 66 KB would
 // not fit a block); thread (ty, tx) owns rows ty + 16 i and columns tx + 16 j; every product sums over k < m only.
@@ -506,10 +507,11 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_dq_bwd_kernel(const BwdPa
 // (issue 4).
 struct NsBwdParams {
   const float* a;    // (B Hq, m, m) the matrix NS inverted
+  const float* s;    // (B Hq) its ‖A‖₁‖A‖∞ (Z₀ = Aᵀ / s)
   const float* zs;   // (B Hq, iters + 1, m, m) the iterates Z_0 .. Z_iters
   const float* gz;   // (B Hq, m, m) dL/dZ_iters
-  float* da;         // (B Hq, MP, MP) out (its m x m block is dA; no predicate per owned entry)
-  float* gz0;        // (B Hq, m, m) out: dL/dZ_0
+  float* da;         // (B Hq, m, m) out: dL/dA
+  float* da_steps;   // (B Hq, MP, MP) scratch: the part of dL/dA through the steps (owner-only, no predicates)
   float* scratch;    // m > 64: (B Hq, kNsBuffers, MP, ns_ld) ; else unused
   int m, iters;
 };
@@ -557,8 +559,86 @@ __device__ __forceinline__ void inv_product_f64(float (&out)[TM][TM], int kdim, 
     for (int j = 0; j < TM; ++j) out[i][j] = static_cast<float>(acc[i][j]);
 }
 
+// Block sum in a fixed order (butterfly in each warp, then the warps in turn): deterministic. `red`: kThreads / 32
+// floats; ends with a barrier, so `red` may be reused.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float t = 0.f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) t += red[w];
+  __syncthreads();
+  return t;
+}
+
+// The end of nystrom_ns_bwd_kernel (after a barrier): dA = da_steps + gzᵀ / s + sign(A) (dcol[c] + drow[r]), with
+// ds = −Σ gz ∘ Z₀ / s, dcol = ds · row on the tied largest column sums, drow = ds · col on the tied largest row
+// sums. a, gz: padded buffers (rows ns_ld apart); red: a free buffer (>= 3 MP + 8 floats).
+// Its row loops are not unrolled: unrolled, ptxas spilled the m > 64 kernel (255 registers).
 template <int TM>
-__global__ void __launch_bounds__(kThreads) nystrom_ns_bwd_kernel(const NsBwdParams p) {
+__device__ __forceinline__ void ns_normalisation_backward(const NsBwdParams& p, const float* a, const float* gz,
+                                                          const float* da_steps, float* red) {
+  constexpr int MP = 16 * TM, LD = ns_ld<TM>();
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, m = p.m, t = threadIdx.x;
+  const long long bh = blockIdx.x, mm2 = (long long)m * m;
+  const float s = p.s[bh];
+  const float* z0 = p.zs + bh * (p.iters + 1) * mm2;
+  float dot = 0.f;
+#pragma unroll 1
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TM; ++j) {
+      const int r = ty + 16 * i, c = tx + 16 * j;
+      if (r < m && c < m) dot = fmaf(gz[r * LD + c], z0[r * m + c], dot);
+    }
+  const float ds = -block_sum(dot, red) / s;
+  float* const col_sums = red;
+  float* const row_sums = red + MP;
+  float* const tied = red + 2 * MP;  // max column sum, max row sum, their tie counts
+  for (int k = t; k < m; k += kThreads) {
+    float cs = 0.f, rs = 0.f;
+    for (int r = 0; r < m; ++r) {
+      cs += fabsf(a[r * LD + k]);
+      rs += fabsf(a[k * LD + r]);
+    }
+    col_sums[k] = cs;
+    row_sums[k] = rs;
+  }
+  __syncthreads();
+  if (t == 0) {
+    float cm = 0.f, rm = 0.f;
+    for (int k = 0; k < m; ++k) {
+      cm = fmaxf(cm, col_sums[k]);
+      rm = fmaxf(rm, row_sums[k]);
+    }
+    int nc = 0, nr = 0;
+    for (int k = 0; k < m; ++k) {
+      nc += col_sums[k] == cm;
+      nr += row_sums[k] == rm;
+    }
+    tied[0] = cm;
+    tied[1] = rm;
+    tied[2] = ds * rm / static_cast<float>(nc);  // each tied column's share of ds · row
+    tied[3] = ds * cm / static_cast<float>(nr);
+  }
+  __syncthreads();
+#pragma unroll 1
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TM; ++j) {
+      const int r = ty + 16 * i, c = tx + 16 * j;
+      if (r >= m || c >= m) continue;
+      const float x = a[r * LD + c];
+      const float sign = static_cast<float>((x > 0.f) - (x < 0.f));
+      const float dnorm = (col_sums[c] == tied[0] ? tied[2] : 0.f) + (row_sums[r] == tied[1] ? tied[3] : 0.f);
+      p.da[bh * mm2 + r * m + c] = da_steps[r * MP + c] + gz[c * LD + r] / s + sign * dnorm;
+    }
+}
+
+template <int TM>
+__global__ void __launch_bounds__(kThreads, 1) nystrom_ns_bwd_kernel(const NsBwdParams p) {
   constexpr int MP = 16 * TM, LD = ns_ld<TM>(), MM = MP * LD;
   extern __shared__ float4 ns_smem[];
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, m = p.m;
@@ -573,7 +653,7 @@ __global__ void __launch_bounds__(kThreads) nystrom_ns_bwd_kernel(const NsBwdPar
   float* const gz = a + 6 * MM;  // gz, then dZ_i, then the next gz
   float* const dv = a + 7 * MM;
   float* const du = a + 8 * MM;
-  float* const da = p.da + bh * MP * MP;  // owner-only accumulation straight into the output
+  float* const da = p.da_steps + bh * MP * MP;
   // m x m row-major global matrix -> padded buffer (zeros outside the m x m block)
   auto load_padded = [m](float* dst, const float* src) {
     for (int e = threadIdx.x; e < MM; e += kThreads) {
@@ -647,9 +727,8 @@ __global__ void __launch_bounds__(kThreads) nystrom_ns_bwd_kernel(const NsBwdPar
     store(gz, acc, [&](int r, int c, float x) { return gz[r * LD + c] + x; });
     __syncthreads();
   }
-  for (int e = threadIdx.x; e < m * m; e += kThreads) {  // after the last barrier: any thread may copy
-    p.gz0[bh * mm2 + e] = gz[(e / m) * LD + e % m];
-  }
+  __syncthreads();  // newton_iter 0: the loads above
+  ns_normalisation_backward<TM>(p, a, gz, da, zb);
 }
 
 }  // namespace nystrom
