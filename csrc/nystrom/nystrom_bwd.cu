@@ -186,9 +186,11 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   return {dq, dk, dv, dconv};
 }
 
+// state: hfab::nystrom_fwd's second output on the same inputs, or empty (recomputed here).
 Grads nystrom_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const std::optional<at::Tensor>& conv_weight, const std::optional<at::Tensor>& key_padding_mask,
-                       int64_t num_landmarks, int64_t newton_iter, double kappa_star, double scale) {
+                       int64_t num_landmarks, int64_t newton_iter, double kappa_star, double scale,
+                       at::TensorList state) {
   constexpr const char* kOp = "hfab::nystrom_bwd";
   const AutocastOff autocast_off;
   Inputs in = prepare(kOp, q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star, scale);
@@ -210,10 +212,14 @@ Grads nystrom_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Te
   dispatch(q, [&](auto tag, auto dim) {
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(dim)::value;
-    State st = landmark_state<T, D>(in, stream);
+    State st;
     at::Tensor lse3;
-    const at::Tensor w0 = st.nystrom ? k3_values<T, D>(in, stream, &lse3) : at::Tensor();
-    finish_state<D>(in, st, w0, true, stream);
+    if (state.empty()) {
+      st = landmark_state<T, D>(in, stream);
+      finish_state<D>(in, st, st.nystrom ? k3_values<T, D>(in, stream, &lse3) : at::Tensor(), true, stream);
+    } else {
+      unpack_state(kOp, in, st, lse3, state);
+    }
     grads = backward<T, D>(in, st, dout, lse3, stream);
   });
   return grads;

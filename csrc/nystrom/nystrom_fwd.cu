@@ -7,22 +7,25 @@ namespace hfab {
 namespace nystrom {
 namespace {
 
-at::Tensor nystrom_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& conv_weight,
-                            const std::optional<at::Tensor>& key_padding_mask, int64_t num_landmarks,
-                            int64_t newton_iter, double kappa_star, double scale) {
+// (out, state): state = pack_state's tensors for hfab::nystrom_bwd (none when q is empty).
+std::tuple<at::Tensor, std::vector<at::Tensor>> nystrom_fwd_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& conv_weight,
+    const std::optional<at::Tensor>& key_padding_mask, int64_t num_landmarks, int64_t newton_iter, double kappa_star,
+    double scale) {
   constexpr const char* kOp = "hfab::nystrom_fwd";
   const AutocastOff autocast_off;
   Inputs in = prepare(kOp, q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star, scale);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  if (out.numel() == 0) return out;
+  if (out.numel() == 0) return {out, {}};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  std::vector<at::Tensor> state;
   dispatch(q, [&](auto tag, auto dim) {
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(dim)::value;
     State st = landmark_state<T, D>(in, stream);
-    finish_state<D>(in, st, st.nystrom ? k3_values<T, D>(in, stream) : at::Tensor(), false, stream);
+    at::Tensor lse3;
+    finish_state<D>(in, st, st.nystrom ? k3_values<T, D>(in, stream, &lse3) : at::Tensor(), true, stream);
     in.p.out = out.data_ptr();
     if (buffer_attention_on_tensor_cores<D>(in, q.device())) {
       launch_query_tiles(tc::nystrom_out_tc_fwd_kernel<T, D>, in.p, tc::OutSmem<D>::bytes(in.p.slots), in, q.device(),
@@ -33,8 +36,9 @@ at::Tensor nystrom_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::
       nystrom_out_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(in.p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-  });  // st's buffers live until the output kernel is queued; the caching allocator orders their reuse
-  return out;
+    state = pack_state(in, st, lse3);
+  });
+  return {out, state};
 }
 
 }  // namespace

@@ -334,6 +334,14 @@ at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr)
   return w0;
 }
 
+// The output kernel's key/value buffers in in.p.
+inline void bind_buffers(Inputs& in, const State& st) {
+  in.p.keys = st.keys.data_ptr<float>();
+  in.p.vals = st.vals.data_ptr<float>();
+  in.p.nvalid = st.nvalid.data_ptr<int>();
+  in.p.slots = static_cast<int>(st.slots);
+}
+
 // K2, Z, W = Z W0 and the output kernel's key/value buffers (landmarks where n > m, real tokens where n <= m);
 // `save`: keep what the backward needs (st.k2, st.z, st.ns).
 template <int D>
@@ -373,10 +381,72 @@ void finish_state(Inputs& in, State& st, const at::Tensor& w0, bool save, cudaSt
       st.nvalid = at::full({in.batch}, in.m, i32);
     }
   }
-  in.p.keys = st.keys.data_ptr<float>();
-  in.p.vals = st.vals.data_ptr<float>();
-  in.p.nvalid = st.nvalid.data_ptr<int>();
-  in.p.slots = static_cast<int>(st.slots);
+  bind_buffers(in, st);
+}
+
+// The forward's state, the second output of hfab::nystrom_fwd, so that its backward recomputes nothing: kStateSize
+// tensors in this order, an absent one as an empty tensor (no mask: the three mask entries; N <= m: every landmark
+// entry; N > m without a mask: keys, which are the landmarks), none at all when q is empty. The fake impl
+// (`_state_like` in ops/nystrom/op.py) mirrors these shapes and dtypes.
+enum StateSlot : int {
+  kExact, kNvalid, kKeys, kVals, kCumsum, kNReal, kPos,                 // every sequence
+  kQLand, kKLand, kCounts, kW0, kK2, kZ, kNsA, kNsS, kNsZs, kLse3,      // landmark sequences (N > m)
+  kStateSize
+};
+
+inline std::vector<at::Tensor> pack_state(const Inputs& in, const State& st, const at::Tensor& lse3) {
+  const auto none = [&](at::ScalarType dtype) { return at::empty({0}, in.q.options().dtype(dtype)); };
+  const auto f32 = [&](const at::Tensor& t) { return st.nystrom ? t : none(at::kFloat); };
+  const auto i32 = [&](const at::Tensor& t) { return in.mask.defined() ? t : none(at::kInt); };
+  return {st.exact, st.nvalid, st.nystrom && !in.mask.defined() ? none(at::kFloat) : st.keys, st.vals,
+          i32(st.cumsum), i32(st.n_real), i32(st.pos),
+          f32(st.q_land), f32(st.k_land), f32(st.counts), f32(st.w0), f32(st.k2), f32(st.z), f32(st.ns.a),
+          f32(st.ns.s), f32(st.ns.zs_all), f32(lse3)};
+}
+
+// `st`, `lse3` and the kernels' pointers in in.p from pack_state's tensors (the backward's alternative to
+// recomputing them).
+inline void unpack_state(const char* op, Inputs& in, State& st, at::Tensor& lse3, at::TensorList saved) {
+  TORCH_CHECK(saved.size() == kStateSize, op, ": state holds ", saved.size(), " tensors; expected ", kStateSize,
+              " (the second output of hfab::nystrom_fwd on the same inputs) or none (the backward recomputes it)");
+  st.nystrom = in.n > in.m;
+  st.slots = std::min(in.m, in.n);
+  const at::Tensor& vals = saved[kVals];
+  TORCH_CHECK(vals.dim() == 4 && vals.size(0) == in.batch && vals.size(1) == in.hq && vals.size(2) == st.slots &&
+                  vals.size(3) == in.d && vals.scalar_type() == at::kFloat && vals.is_contiguous() &&
+                  vals.device() == in.q.device(),
+              op, ": state does not belong to these inputs (value buffer ", vals.sizes(), ", expected [", in.batch,
+              ", ", in.hq, ", ", st.slots, ", ", in.d, "] fp32 on ", in.q.device(), ")");
+  st.exact = saved[kExact];
+  st.nvalid = saved[kNvalid];
+  st.vals = vals;
+  if (in.mask.defined()) {
+    st.cumsum = saved[kCumsum];
+    st.n_real = saved[kNReal];
+    st.pos = saved[kPos];
+    in.p.n_real = st.n_real.data_ptr<int>();
+    in.p.pos = st.pos.data_ptr<int>();
+  }
+  if (st.nystrom) {
+    st.q_land = saved[kQLand];
+    st.k_land = saved[kKLand];
+    st.counts = saved[kCounts];
+    st.w0 = saved[kW0];
+    st.k2 = saved[kK2];
+    st.z = saved[kZ];
+    st.ns.a = saved[kNsA];
+    st.ns.s = saved[kNsS];
+    st.ns.zs_all = saved[kNsZs];
+    for (int t = 0; t <= in.iters; ++t) st.ns.zs.push_back(st.ns.zs_all.select(2, t));
+    if (in.kappa > 0.0) st.ns.k2_input = st.k2;
+    st.k_land_g = group(in, st.k_land);
+    lse3 = saved[kLse3];
+    in.p.q_land = st.q_land.data_ptr<float>();
+    in.p.k_land = st.k_land.data_ptr<float>();
+    in.p.counts = st.counts.data_ptr<float>();
+  }
+  st.keys = st.nystrom && !in.mask.defined() ? st.k_land_g.contiguous() : saved[kKeys];
+  bind_buffers(in, st);
 }
 
 }  // namespace nystrom

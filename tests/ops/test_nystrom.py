@@ -235,8 +235,8 @@ def test_opcheck(conv):
     q, k, v = q.detach(), k.detach(), v.detach()
     w = None if w is None else w.detach()
     dout = torch.randn_like(q)
-    torch.library.opcheck(torch.ops.hfab.nystrom_bwd.default, (dout, q, k, v, w, mask, 3, 4, 1.0, 0.5))
-    dconv = torch.ops.hfab.nystrom_bwd(dout, q, k, v, w, mask, 3, 4, 1.0, 0.5)[3]
+    torch.library.opcheck(torch.ops.hfab.nystrom_bwd.default, (dout, q, k, v, w, mask, 3, 4, 1.0, 0.5, []))
+    dconv = torch.ops.hfab.nystrom_bwd(dout, q, k, v, w, mask, 3, 4, 1.0, 0.5, [])[3]
     assert dconv.shape == ((4, 3) if conv else (0,))
 
 

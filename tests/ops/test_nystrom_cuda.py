@@ -32,11 +32,12 @@ def make_conv(hq, ks, dtype, seed=0):
 
 
 def run_kernel(q, k, v, dout, *, m, iters, kappa, conv, mask, scale):
-    """out from hfab::nystrom_fwd and (dq, dk, dv, dconv) from hfab::nystrom_bwd, into poisoned memory."""
+    """out from hfab::nystrom_fwd and (dq, dk, dv, dconv) from hfab::nystrom_bwd given the forward's state (as
+    autograd runs them), into poisoned memory."""
     poison(q)
-    out = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, m, iters, kappa, scale)
+    out, state = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, m, iters, kappa, scale)
     poison(q, k, v)
-    grads = torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, m, iters, kappa, scale)
+    grads = torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, m, iters, kappa, scale, state)
     return out, grads
 
 
@@ -169,8 +170,8 @@ def kernel_path_cases():
         mask = make_padding(2, n, min_real=min(n, 40), seed=d).to(DEV)
         conv = make_conv(4, 3, dtype)
         dout = torch.randn(q.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(n)).to(dtype)
-        out = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, m, 6, 0.0, d ** -0.5)
-        grads = torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, m, 6, 0.0, d ** -0.5)
+        out, state = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, m, 6, 0.0, d ** -0.5)
+        grads = torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, m, 6, 0.0, d ** -0.5, state)
         cases.append(([t.cpu() for t in (q, k, v, conv, mask, dout)], m, [t.cpu() for t in (out, *grads)]))
     return cases
 
@@ -199,7 +200,10 @@ def test_deterministic_forward():
     conv = make_conv(8, 3, q.dtype)
     first = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
     second = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
-    assert torch.equal(first, second)
+    assert torch.equal(first[0], second[0])
+    assert len(first[1]) == len(second[1]) == 17
+    for a, b in zip(first[1], second[1]):  # the state the backward reads
+        assert torch.equal(a, b)
 
 
 def test_autocast_region_changes_nothing():
@@ -210,20 +214,21 @@ def test_autocast_region_changes_nothing():
     dout = torch.randn_like(q)
 
     def run():
-        out = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
-        return out, torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, 32, 6, 0.0, 0.125)
+        out, state = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
+        return out, torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, 32, 6, 0.0, 0.125, state)
 
     assert_unchanged_by_autocast(run)
 
 
 def test_backward_gqa_groups_of_four_deterministic():
-    """dk/dv sum the group's four q heads inside one block; the split partials merge in a fixed order."""
+    """dk/dv sum the group's four q heads inside one block; the split partials merge in a fixed order. The second
+    backward recomputes the forward's state (state []): the same bits as the first, which read the saved state."""
     q, k, v = make_inputs(2, 8, 2, 1500, 1500, 32, seed=8)
     mask = make_padding(2, 1500, min_real=700, seed=8).to(DEV)
     conv = make_conv(8, 3, q.dtype)
     _, first = check(q, k, v, m=16, conv=conv, mask=mask)
     dout = torch.randn(q.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)).to(q.dtype)
-    second = torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, 16, 6, 0.0, 32 ** -0.5)
+    second = torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, 16, 6, 0.0, 32 ** -0.5, [])
     for got, want in zip(second, first):
         assert torch.equal(got, want)
 
@@ -233,11 +238,11 @@ def test_backward_memory_is_linear_in_n():
     q, k, v = make_inputs(1, 4, 4, 65536, 65536, 64)
     dout = torch.randn_like(q)
     short = (t[:, :, :256] for t in (dout, q, k, v))
-    torch.ops.hfab.nystrom_bwd(*short, None, None, 32, 6, 0.0, 0.125)  # cuBLAS workspaces exist before we measure
+    torch.ops.hfab.nystrom_bwd(*short, None, None, 32, 6, 0.0, 0.125, [])  # cuBLAS workspaces exist before we measure
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    grads = torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, None, 32, 6, 0.0, 0.125)
+    grads = torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, None, 32, 6, 0.0, 0.125, [])
     torch.cuda.synchronize()
     outputs = sum(g.nbytes for g in grads)
     assert torch.cuda.max_memory_allocated() - base <= outputs + 16 * 2 ** 20
@@ -278,14 +283,14 @@ def test_launches_on_the_current_stream_and_in_cuda_graphs():
     conv = make_conv(4, 3, q.dtype)
 
     def fn():
-        return torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
+        return torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)[0]
 
     assert torch.equal(replay_in_cuda_graph(fn), fn())
     dout = torch.randn_like(q)
 
     def bwd():
         return torch.cat([g.flatten() for g in torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, 32, 6, 0.0,
-                                                                         0.125)])
+                                                                         0.125, [])])
 
     assert torch.equal(replay_in_cuda_graph(bwd), bwd())
 
@@ -297,8 +302,10 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.hfab.nystrom_fwd.default, (q, k, v, conv, mask, 16, 6, 0.0, 0.125))
     torch.library.opcheck(torch.ops.hfab.nystrom_fwd.default, (q, k, v, None, None, 8, 3, 2.0, 0.125))
     q, k, v, conv = q.detach(), k.detach(), v.detach(), conv.detach()
-    torch.library.opcheck(torch.ops.hfab.nystrom_bwd.default,
-                          (torch.randn_like(q), q, k, v, conv, mask, 16, 6, 0.0, 0.125))
+    state = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 16, 6, 0.0, 0.125)[1]
+    for saved in ([], state):
+        torch.library.opcheck(torch.ops.hfab.nystrom_bwd.default,
+                              (torch.randn_like(q), q, k, v, conv, mask, 16, 6, 0.0, 0.125, saved))
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
@@ -332,6 +339,25 @@ def test_unsupported_configurations_raise_clear_errors():
         fwd(q, k, v, make_conv(2, 4, q.dtype), None, 4, 6, 0.0, 0.125)
 
 
+def test_backward_with_the_saved_state_recomputes_nothing():
+    """Given the forward's state, the backward launches no landmark, K3 or Newton–Schulz forward kernel; a state of
+    the wrong length is refused with a clear error."""
+    q, k, v = make_inputs(2, 4, 2, 300, 300, 64)
+    mask = make_padding(2, 300, min_real=100, seed=4).to(DEV)
+    out, state = torch.ops.hfab.nystrom_fwd(q, k, v, None, mask, 16, 6, 0.0, 0.125)
+    dout = torch.randn_like(out)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, mask, 16, 6, 0.0, 0.125, state)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("nystrom_kv" in name for name in kernels)
+    assert not [name for name in kernels if any(s in name for s in ("landmark", "inverse_fwd", "k3_fwd", "k3_tc_fwd"))]
+    with pytest.raises(RuntimeError, match="state holds 2 tensors; expected 17"):
+        torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, mask, 16, 6, 0.0, 0.125, state[:2])
+    with pytest.raises(RuntimeError, match="state does not belong to these inputs"):
+        torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, mask, 32, 6, 0.0, 0.125, state)
+
+
 SANITIZED_RUN = """
 import torch, hf_attention_backends
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -340,8 +366,8 @@ k, v = (torch.randn(3, 1, 70, 32, device="cuda", generator=g).half() for _ in ra
 conv = torch.randn(2, 3, device="cuda", generator=g).half()
 mask = torch.arange(70, device="cuda")[None, :] < torch.tensor([[70], [9], [0]], device="cuda")
 for m in (8, 70):
-    out = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, m, 4, 0.0, 0.2)
-    grads = torch.ops.hfab.nystrom_bwd(torch.randn_like(out), q, k, v, conv, mask, m, 4, 0.0, 0.2)
+    out, state = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, m, 4, 0.0, 0.2)
+    grads = torch.ops.hfab.nystrom_bwd(torch.randn_like(out), q, k, v, conv, mask, m, 4, 0.0, 0.2, state)
 torch.cuda.synchronize()
 """
 

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .._common import check_key_padding_mask, check_positive_int, check_qkv, reference_vjp, resolve_scale
-from .._registry import cpu_op
+from .._registry import cpu_op, has_cuda_kernel
 from . import reference
 
 MAX_LANDMARKS = 1024
@@ -16,16 +16,21 @@ MAX_NEWTON_ITER = 100
 
 
 def _nystrom_fwd(q: Tensor, k: Tensor, v: Tensor, conv_weight: Optional[Tensor], key_padding_mask: Optional[Tensor],
-                 num_landmarks: int, newton_iter: int, kappa_star: float, scale: float) -> Tensor:
-    return reference.nystrom_forward(q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star,
-                                     scale).contiguous()
+                 num_landmarks: int, newton_iter: int, kappa_star: float,
+                 scale: float) -> tuple[Tensor, list[Tensor]]:
+    """(out, state): the CUDA kernel's state is what its backward would otherwise recompute (landmarks, K3's
+    log-sum-exp, the Newton–Schulz iterates, ...: ``_state_like``); the reference keeps none."""
+    out = reference.nystrom_forward(q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star,
+                                    scale).contiguous()
+    return out, []
 
 
 def _nystrom_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, conv_weight: Optional[Tensor],
                  key_padding_mask: Optional[Tensor], num_landmarks: int, newton_iter: int, kappa_star: float,
-                 scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 scale: float, state: list[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Autograd through the reference: the exact gradient through every Newton–Schulz iterate.
-    dconv is empty (numel 0) when conv_weight is None."""
+    dconv is empty (numel 0) when conv_weight is None. ``state``: nystrom_fwd's second output on the same inputs,
+    or [] (the CUDA kernel then recomputes it; the reference always does)."""
     inputs = (q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star, scale)
     dq, dk, dv, dconv = reference_vjp(reference.nystrom_forward, inputs, dout)[:4]
     dconv = q.new_empty(0) if dconv is None else dconv.contiguous()
@@ -36,13 +41,40 @@ nystrom_fwd = cpu_op("nystrom_fwd", _nystrom_fwd)
 nystrom_bwd = cpu_op("nystrom_bwd", _nystrom_bwd)
 
 
+def _state_like(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], num_landmarks: int,
+                newton_iter: int) -> list[Tensor]:
+    """Empty tensors shaped like the CUDA forward's state (csrc/nystrom/nystrom_host.cuh, ``pack_state``, same
+    order); [] where the reference runs (CPU, or CUDA without the compiled kernel) and for an empty q."""
+    if q.device.type != "cuda" or q.numel() == 0 or not has_cuda_kernel("hfab::nystrom_fwd"):
+        return []
+    b, hq, n, d = q.shape
+    hkv, m = k.shape[1], num_landmarks
+    landmarks, masked, slots = n > m, key_padding_mask is not None, min(m, n)
+
+    def f32(*shape, present=True):
+        return q.new_empty(shape if present else (0,), dtype=torch.float32)
+
+    def i32(*shape):
+        return q.new_empty(shape if masked else (0,), dtype=torch.int32)
+
+    return [q.new_empty((b,), dtype=torch.bool), q.new_empty((b,), dtype=torch.int32),
+            f32(b, hq, slots, d, present=masked or not landmarks), f32(b, hq, slots, d),
+            i32(b, n), i32(b), i32(b, n),
+            f32(b, hq, m, d, present=landmarks), f32(b, hkv, m, d, present=landmarks), f32(b, m, present=landmarks),
+            f32(b, hq, m, d, present=landmarks), f32(b, hq, m, m, present=landmarks),
+            f32(b, hq, m, m, present=landmarks), f32(b, hq, m, m, present=landmarks),
+            f32(b, hq, 1, 1, present=landmarks), f32(b, hq, newton_iter + 1, m, m, present=landmarks),
+            f32(b, hq, m, present=landmarks)]
+
+
 @nystrom_fwd.register_fake
 def _(q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star, scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, _state_like(q, k, key_padding_mask, num_landmarks, newton_iter)
 
 
 @nystrom_bwd.register_fake
-def _(dout, q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star, scale):
+def _(dout, q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star, scale, state):
     dconv = q.new_empty(0) if conv_weight is None else torch.empty_like(conv_weight,
                                                                         memory_format=torch.contiguous_format)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -52,14 +84,19 @@ def _(dout, q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star, scale = inputs
-    ctx.save_for_backward(q, k, v, conv_weight, key_padding_mask)
+    _, state = output
+    ctx.mark_non_differentiable(*state)
+    ctx.set_materialize_grads(False)  # no zero gradients for the state
+    ctx.save_for_backward(q, k, v, conv_weight, key_padding_mask, *state)
     ctx.has_conv = conv_weight is not None
     ctx.hyper = (num_landmarks, newton_iter, kappa_star, scale)
 
 
-def _backward(ctx, dout):
-    q, k, v, conv_weight, key_padding_mask = ctx.saved_tensors
-    dq, dk, dv, dconv = nystrom_bwd(dout.contiguous(), q, k, v, conv_weight, key_padding_mask, *ctx.hyper)
+def _backward(ctx, dout, _dstate):
+    q, k, v, conv_weight, key_padding_mask, *state = ctx.saved_tensors
+    if dout is None:  # out took no part in the loss
+        return None, None, None, None, None, None, None, None, None
+    dq, dk, dv, dconv = nystrom_bwd(dout.contiguous(), q, k, v, conv_weight, key_padding_mask, *ctx.hyper, state)
     return dq, dk, dv, (dconv if ctx.has_conv else None), None, None, None, None, None
 
 
@@ -129,4 +166,4 @@ def nystrom_attention(q: Tensor, k: Tensor, v: Tensor, *, num_landmarks: int = 6
     """
     key_padding_mask, kappa_star, scale = _check_args(q, k, v, num_landmarks, newton_iter, kappa_star, conv_weight,
                                                       scale, key_padding_mask)
-    return nystrom_fwd(q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star, scale)
+    return nystrom_fwd(q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star, scale)[0]
