@@ -367,13 +367,15 @@ struct InvParams {
   float kappa;
 };
 
-// acc[i][j] = Σ_{k < kdim} lp(ty + 16 i, k) lq(k, tx + 16 j).
-template <int TM, int TN, typename LP, typename LQ>
+// acc[i][j] = Σ_{k < kdim} lp(ty + 16 i, k) lq(k, tx + 16 j) (kAccumulate: acc[i][j] += the sum).
+template <bool kAccumulate = false, int TM, int TN, typename LP, typename LQ>
 __device__ __forceinline__ void inv_product(float (&acc)[TM][TN], int kdim, LP lp, LQ lq, int ty, int tx) {
+  if constexpr (!kAccumulate) {
 #pragma unroll
-  for (int i = 0; i < TM; ++i)
+    for (int i = 0; i < TM; ++i)
 #pragma unroll
-    for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
+      for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
+  }
   for (int k = 0; k < kdim; ++k) {
     float a[TM], b[TN];
 #pragma unroll
@@ -420,9 +422,10 @@ constexpr int inv_smem_bytes() {
   return (TM == 8 ? 2 : 4) * (16 * TM) * (16 * TM) * static_cast<int>(sizeof(float));
 }
 
+// Two blocks per SM (128 registers) where B Hq exceeds the SMs, except m > 64 (its 8 x 8 tiles need ~190).
 template <int TM, int D>
-__global__ void __launch_bounds__(kThreads) nystrom_inverse_fwd_kernel(const InvParams p) {
-  constexpr int MP = 16 * TM, MM = MP * MP, TN = D / 16;
+__global__ void __launch_bounds__(kThreads, TM == 8 ? 1 : 2) nystrom_inverse_fwd_kernel(const InvParams p) {
+  constexpr int MP = 16 * TM, MM = MP * MP;
   constexpr bool kGlobalAZ = TM == 8;
   extern __shared__ float4 inv_smem[];
   __shared__ float red[2 * MP + 1];
@@ -447,9 +450,27 @@ __global__ void __launch_bounds__(kThreads) nystrom_inverse_fwd_kernel(const Inv
   auto eye = [m](int r, int c, float v) { return r == c && r < m ? v : 0.f; };
   float acc[TM][TM];
 
-  // K2 = row softmax of Q̃ K̃ᵀ (landmarks carry √scale each)
-  inv_product(acc, D, [&](int r, int d) { return r < m ? __ldg(ql + r * D + d) : 0.f; },
-              [&](int d, int c) { return c < m ? __ldg(kl + c * D + d) : 0.f; }, ty, tx);
+  // K2 = row softmax of Q̃ K̃ᵀ (landmarks carry √scale each), KC columns of D at a time through shared memory
+  // (mz: Q̃ rows, tt: K̃ transposed with its columns XOR-swizzled by the row, so that both the transposing
+  // stores and the products' reads are conflict-free; both free until Newton–Schulz): one global latency per
+  // chunk instead of one per k
+  constexpr int KC = MP < D ? MP : D;
+  auto swizzled = [](int d, int c) { return d * MP + (c ^ (d & 31)); };
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TM; ++j) acc[i][j] = 0.f;
+  for (int d0 = 0; d0 < D; d0 += KC) {
+    for (int e = threadIdx.x; e < MP * KC; e += kThreads) {
+      const int r = e / KC, d = e % KC;
+      mz[e] = r < m ? __ldg(ql + r * D + d0 + d) : 0.f;
+      tt[swizzled(d, r)] = r < m ? __ldg(kl + r * D + d0 + d) : 0.f;
+    }
+    __syncthreads();
+    inv_product<true>(acc, KC, [&](int r, int d) { return mz[r * KC + d]; },
+                      [&](int d, int c) { return tt[swizzled(d, c)]; }, ty, tx);
+    __syncthreads();
+  }
   float* const k2s = p.ridge ? mz : a;
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
@@ -552,17 +573,25 @@ __global__ void __launch_bounds__(kThreads) nystrom_inverse_fwd_kernel(const Inv
     for (int e = threadIdx.x; e < m * m; e += kThreads) p.z[bh * mm2 + e] = z[(e / m) * MP + e % m];
   }
 
-  // W = Z W0 (m x D)
+  // W = Z W0 (m x D), KC output columns at a time with W0's columns staged in mz (free after Newton–Schulz)
   const float* w0 = p.w0 + (long long)bh * m * D;
-  float accw[TM][TN];
-  inv_product(accw, m, at(z), [&](int k, int c) { return __ldg(w0 + k * D + c); }, ty, tx);
   float* w = p.w + (long long)bh * m * D;
+  for (int c0 = 0; c0 < D; c0 += KC) {
+    __syncthreads();  // the previous chunk's readers of mz are done
+    for (int e = threadIdx.x; e < MP * KC; e += kThreads) {
+      const int r = e / KC, c = e % KC;
+      mz[e] = r < m ? __ldg(w0 + r * D + c0 + c) : 0.f;
+    }
+    __syncthreads();
+    float accw[TM][KC / 16];
+    inv_product(accw, m, at(z), [&](int k, int c) { return mz[k * KC + c]; }, ty, tx);
 #pragma unroll
-  for (int i = 0; i < TM; ++i) {
-    const int r = ty + 16 * i;
-    if (r >= m) continue;
+    for (int i = 0; i < TM; ++i) {
+      const int r = ty + 16 * i;
+      if (r >= m) continue;
 #pragma unroll
-    for (int j = 0; j < TN; ++j) w[r * D + tx + 16 * j] = accw[i][j];
+      for (int j = 0; j < KC / 16; ++j) w[r * D + c0 + tx + 16 * j] = accw[i][j];
+    }
   }
 }
 
