@@ -597,15 +597,7 @@ __device__ __forceinline__ void ns_normalisation_backward(const NsBwdParams& p, 
   float* const col_sums = red;
   float* const row_sums = red + MP;
   float* const tied = red + 2 * MP;  // max column sum, max row sum, their tie counts
-  for (int k = t; k < m; k += kThreads) {
-    float cs = 0.f, rs = 0.f;
-    for (int r = 0; r < m; ++r) {
-      cs += fabsf(a[r * LD + k]);
-      rs += fabsf(a[k * LD + r]);
-    }
-    col_sums[k] = cs;
-    row_sums[k] = rs;
-  }
+  abs_line_sums<LD>(a, m, col_sums, row_sums);  // the forward's order: the same maxima as its s
   __syncthreads();
   if (t == 0) {
     float cm = 0.f, rm = 0.f;

@@ -389,20 +389,27 @@ __device__ __forceinline__ void inv_product(float (&acc)[TM][TN], int kdim, LP l
   }
 }
 
+// Column t's and row t's sums of |X| over the m x m block of X (rows LD floats apart), by threads t < m, each in row
+// order: the forward's ‖A‖₁‖A‖∞ and its backward's amax-tie test read the same sums.
+template <int LD>
+__device__ __forceinline__ void abs_line_sums(const float* x, int m, float* col_sums, float* row_sums) {
+  const int t = threadIdx.x;
+  if (t >= m) return;
+  float cs = 0.f, rs = 0.f;
+  for (int r = 0; r < m; ++r) {
+    cs += fabsf(x[r * LD + t]);
+    rs += fabsf(x[t * LD + r]);
+  }
+  col_sums[t] = cs;
+  row_sums[t] = rs;
+}
+
 // ‖X‖₁‖X‖∞ of the m x m block of X (row stride MP), fixed order; every thread gets the value.
 template <int MP>
 __device__ __forceinline__ float inv_norm_product(const float* x, int m, float* red) {
   __syncthreads();  // red's previous readers are done
   const int t = threadIdx.x;
-  if (t < m) {
-    float cs = 0.f, rs = 0.f;
-    for (int r = 0; r < m; ++r) {
-      cs += fabsf(x[r * MP + t]);
-      rs += fabsf(x[t * MP + r]);
-    }
-    red[t] = cs;
-    red[MP + t] = rs;
-  }
+  abs_line_sums<MP>(x, m, red, red + MP);
   __syncthreads();
   if (t == 0) {
     float cm = 0.f, rm = 0.f;
