@@ -4,6 +4,9 @@
 case's inputs as the runner does, warms up, profiles ``--calls`` calls and prints the kernels sorted by
 total GPU time (per-call milliseconds and share), so a NOTES.md can say which kernel bounds a shape.
 
+``--host``: instead, where the host's time goes: the wall time to enqueue ``--calls`` calls without waiting for
+the GPU (a call whose enqueue time exceeds its GPU time is host-bound) and the CPU operators sorted by self time.
+
 ``--ncu``: instead, one call between cudaProfilerStart and cudaProfilerStop after the warm-up, for Nsight
 Compute's hardware counters on exactly that call's kernels (``scripts/ncu_profile.sh`` runs it)::
 
@@ -12,6 +15,7 @@ Compute's hardware counters on exactly that call's kernels (``scripts/ncu_profil
 """
 import argparse
 import sys
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -47,6 +51,24 @@ def kernel_table(case_name: str, n: int, mode: str, provider: str, calls: int) -
     return sorted(rows, key=lambda r: -r[1])
 
 
+def host_table(case_name: str, n: int, mode: str, provider: str, calls: int):
+    """(host ms per call to enqueue, wall ms per call, [(CPU operator, self ms per call, calls per call)])."""
+    call = warm_call(case_name, n, mode, provider)
+    start = time.perf_counter()
+    for i in range(calls):
+        call(i)
+    enqueued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(calls):
+            call(i)
+        torch.cuda.synchronize()
+    rows = [(e.key, e.self_cpu_time_total / 1e3 / calls, e.count // calls) for e in prof.key_averages()
+            if e.self_cpu_time_total > 0]
+    return (1e3 * (enqueued - start) / calls, 1e3 * (done - start) / calls, sorted(rows, key=lambda r: -r[1]))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("case")
@@ -56,7 +78,15 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--ncu", action="store_true", help="one call inside cudaProfilerStart/Stop, no table")
+    parser.add_argument("--host", action="store_true", help="host enqueue time and CPU operators, no kernel table")
     args = parser.parse_args(argv)
+    if args.host:
+        enqueue_ms, wall_ms, rows = host_table(args.case, args.n, args.mode, args.provider, args.calls)
+        print(f"{args.case} N={args.n} {args.mode} {args.provider}: host enqueues a call in {enqueue_ms:.3f} ms, "
+              f"{wall_ms:.3f} ms per call with the GPU; CPU self time (under the profiler):")
+        for name, ms, count in rows[:args.top]:
+            print(f"  {ms:9.3f} ms  x{count:<4d} {name[:110]}")
+        return 0
     if args.ncu:
         call = warm_call(args.case, args.n, args.mode, args.provider)
         torch.cuda.profiler.start()
