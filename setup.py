@@ -38,6 +38,11 @@ def _cuda_sources():
     return sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
 
 
+def _host_sources():
+    """csrc/extension.cpp and the C++ beside the kernels (autograd registrations), compiled by the host compiler."""
+    return sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+
+
 DEFAULT_ARCHS = ["80", "90"]
 # extra default targets per source folder: the exact kernels use CUDA cores only and also run on Turing
 EXTRA_ARCHS = {os.path.join("csrc", "exact"): ["75"]}
@@ -112,7 +117,7 @@ def _extensions():
 
     ext = CUDAExtension(
         name="hf_attention_backends._C",
-        sources=["csrc/extension.cpp"] + _cuda_sources(),
+        sources=_host_sources() + _cuda_sources(),
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args={
             "cxx": ["-O3", _abi_flag()],

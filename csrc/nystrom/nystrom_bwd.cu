@@ -66,7 +66,7 @@ at::Tensor k2_inverse_backward(const NsSaved& saved, const at::Tensor& gz, cudaS
   if (!saved.k2_input.defined()) return ns_backward(saved, gz, stream);
   const at::Tensor& k2 = saved.k2_input;
   const at::Tensor da = ns_backward(saved, gz.matmul(k2), stream);  // Z = N K2ᵀ: dN = dZ K2
-  return gz.transpose(-1, -2).matmul(saved.zs.back()).add(k2.matmul(da.add(da.transpose(-1, -2))));
+  return gz.transpose(-1, -2).matmul(saved.zs_all.select(2, -1)).add(k2.matmul(da.add(da.transpose(-1, -2))));
 }
 
 // dconv[h, t] = Σ_{b, i, d} dO[b, h, i, d] · v_masked[b, h / groups, i + t - c, d] (fp32, then conv's dtype).
@@ -138,13 +138,16 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
 
   at::Tensor dw0, rowdot, dkl, dql, part_dql;
   if (st.nystrom) {  // landmark sequences: keys = K̃, vals = W = Z W0, W0 = K3 v
-    const at::Tensor ex = st.exact.view({B, 1, 1, 1});
-    const at::Tensor dw = dvals.masked_fill(ex, 0.0);
+    // sequences with n <= m real tokens take no landmark path: possible only with a mask (else n = N > m)
+    const auto landmark_rows = [&](const at::Tensor& x) {
+      return in.mask.defined() ? x.masked_fill(st.exact.view({B, 1, 1, 1}), 0.0) : x;
+    };
+    const at::Tensor dw = landmark_rows(dvals);
     const at::Tensor dz = dw.matmul(tr(st.w0));
     dw0 = tr(st.z).matmul(dw).contiguous();
     rowdot = dw0.mul(st.w0).sum(-1).contiguous();  // Σ_j K3[l, j] (dW0 vᵀ)[l, j] = dW0[l] · W0[l]
     const at::Tensor ds2 = softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz, stream));
-    dkl = ungroup(in, dkeys.masked_fill(ex, 0.0).add(tr(ds2).matmul(st.q_land))).contiguous();
+    dkl = ungroup(in, landmark_rows(dkeys).add(tr(ds2).matmul(st.q_land))).contiguous();
     constexpr int k3_tc_bytes = tc::K3BwdSmem<D>::bytes;  // 41 / 73 / 137 KB at D 32 / 64 / 128
     const bool k3_tc = on_tensor_cores(k3_tc_bytes, device);
     const int64_t ltiles = div_up(m, k3_tc ? tc::kK3Rows : K3BwdTiles<D>::BL);

@@ -145,7 +145,6 @@ inline at::Tensor masked_softmax(const at::Tensor& s, const at::Tensor& valid) {
 struct NsSaved {
   at::Tensor a, s;              // the inverted matrices (..., m, m); ‖a‖₁‖a‖∞ (..., 1, 1)
   at::Tensor zs_all;            // (B, Hq, iters + 1, m, m) contiguous: Z₀ .. Z_iters
-  std::vector<at::Tensor> zs;   // its slices
   at::Tensor k2_input;          // kappa_star > 0: K2 (Z = NS(a) K2ᵀ), else undefined
 };
 
@@ -163,7 +162,7 @@ struct State {
 // kernel<<<grid, threads, bytes, stream>>>(arg) with its dynamic shared memory opted in (needed above 48 KB).
 template <typename Arg>
 void launch_dynamic(void (*kernel)(Arg), dim3 grid, int threads, int bytes, const Arg& arg, cudaStream_t stream) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  opt_in_shared_memory(reinterpret_cast<const void*>(kernel), bytes);
   kernel<<<grid, threads, bytes, stream>>>(arg);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -216,8 +215,6 @@ at::Tensor inverse_stage(const Inputs& in, State& st, const at::Tensor& w0_in, b
   else launch_inverse<8, D>(ip, bh, stream);
   if (save) {
     st.ns.zs_all = zs;
-    st.ns.zs.clear();
-    for (int t = 0; t <= in.iters; ++t) st.ns.zs.push_back(zs.select(2, t));
     if (in.kappa > 0.0) st.ns.k2_input = st.k2;
   }
   return w;
@@ -437,7 +434,6 @@ inline void unpack_state(const char* op, Inputs& in, State& st, at::Tensor& lse3
     st.ns.a = saved[kNsA];
     st.ns.s = saved[kNsS];
     st.ns.zs_all = saved[kNsZs];
-    for (int t = 0; t <= in.iters; ++t) st.ns.zs.push_back(st.ns.zs_all.select(2, t));
     if (in.kappa > 0.0) st.ns.k2_input = st.k2;
     st.k_land_g = group(in, st.k_land);
     lse3 = saved[kLse3];

@@ -355,20 +355,28 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
     lam[r] = cnt[r] > 0.f ? fmaxf(1.f, upper[r] + (sum[r] / cnt[r] - m[r])) : 1.f;
   }
 
+  // y = lam - (s scale - m) = (lam + m) - s scale: one FFMA per score; rounding lam + m moves y by <= 6e-8 (lam + |m|)
+  const float neg_scale = -scale;
+  float lam_m[2];
+  auto shift_by_max = [&] {
+    lam_m[0] = lam[0] - neg_m[0];
+    lam_m[1] = lam[1] - neg_m[1];
+  };
   // one solver sweep: the row sums at lam, then solver_step (s2 only for Halley)
   auto solve = [&](auto halley) {
     constexpr bool kHalley = decltype(halley)::value;
     float f[2] = {0.f, 0.f}, s1[2] = {0.f, 0.f}, s2[2] = {0.f, 0.f};
+    shift_by_max();
     sweep(false, [&](float (&s)[NT][4], int, int, bool) {
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float pp, rr;
-          const float inv = powers<IORD>(lam[e / 2] - fmaf(s[j][e], scale, neg_m[e / 2]), order, pp, rr);
+          const float inv = powers<IORD>(fmaf(s[j][e], neg_scale, lam_m[e / 2]), order, pp, rr);
           f[e / 2] += pp;
-          s1[e / 2] += rr;
-          if constexpr (kHalley) s2[e / 2] = fmaf(rr, inv, s2[e / 2]);
+          s1[e / 2] = fmaf(pp, inv, s1[e / 2]);  // y^(-order-1) = p / y, fused (rr unused)
+          if constexpr (kHalley) s2[e / 2] = fmaf(pp, inv * inv, s2[e / 2]);
         }
     });
 #pragma unroll
@@ -389,13 +397,14 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
   float o[D / 8][4], l[2] = {0.f, 0.f};
 #pragma unroll
   for (int t = 0; t < D / 8; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
+  shift_by_max();
   sweep(true, [&](float (&s)[NT][4], int buf, int koff, bool) {
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float pp, rr;
-        powers<IORD>(lam[e / 2] - fmaf(s[j][e], scale, neg_m[e / 2]), order, pp, rr);
+        powers<IORD>(fmaf(s[j][e], neg_scale, lam_m[e / 2]), order, pp, rr);
         s[j][e] = pp;
         l[e / 2] += pp;
       }

@@ -277,6 +277,25 @@ def test_public_function_autograd():
     assert torch.equal(conv.grad, dconv)
 
 
+def test_cuda_autograd_is_the_compiled_one():
+    """On CUDA the autograd of hfab::nystrom_fwd is csrc/nystrom/nystrom_autograd.cpp's: no graph under no_grad (the
+    same output), gradients only for the inputs that want them, double backward raises like the Python one."""
+    assert "nystrom_autograd.cpp" in torch._C._dispatch_dump("hfab::nystrom_fwd")
+    q, k, v = make_inputs(1, 2, 2, 70, 70, 64)
+    with torch.no_grad():
+        plain = hfab.nystrom_attention(q, k, v, num_landmarks=16)
+    qg = q.clone().requires_grad_(True)
+    out = hfab.nystrom_attention(qg, k, v, num_landmarks=16)
+    assert plain.grad_fn is None and out.grad_fn is not None and torch.equal(plain, out)
+    dout = torch.randn_like(out)
+    (dq,) = torch.autograd.grad(out, qg, dout, create_graph=True)
+    _, (want, _, _, _) = run_kernel(q, k, v, dout, m=16, iters=6, kappa=0.0, conv=None, mask=None,
+                                     scale=64 ** -0.5)
+    assert torch.equal(dq, want)
+    with pytest.raises(RuntimeError, match="nystrom_bwd"):
+        dq.sum().backward()
+
+
 def test_launches_on_the_current_stream_and_in_cuda_graphs():
     q, k, v = make_inputs(2, 4, 2, 333, 333, 64)
     mask = make_padding(2, 333, min_real=10, seed=6).to(DEV)
