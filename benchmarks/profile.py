@@ -45,7 +45,8 @@ def profiled(call, calls: int, activity, time_of) -> list[tuple[str, float, int]
     with profile(activities=[activity]) as prof:
         for i in range(calls):
             call(i)
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     rows = [(e.key, time_of(e) / 1e3 / calls, e.count // calls) for e in prof.key_averages() if time_of(e) > 0]
     return sorted(rows, key=lambda r: -r[1])
 
