@@ -23,7 +23,6 @@
 //   nystrom_ns_bwd_kernel     per (b, q head): the Newton–Schulz VJP through every saved iterate (m x m)
 #pragma once
 
-#include "common/mma.cuh"
 #include "nystrom/nystrom_kernels.cuh"
 
 namespace hfab {
@@ -563,95 +562,6 @@ __device__ __forceinline__ void inv_product_f64(float (&out)[TM][TM], int kdim, 
 #pragma unroll
     for (int j = 0; j < TM; ++j) out[i][j] = static_cast<float>(acc[i][j]);
 }
-
-// The VJP's fp32 products (all but the two with A): on tensor cores for m <= 64 (TM <= 4), m16n8k8 with both
-// operands in two tf32 halves (hi hi + hi lo + lo hi, fp32 accumulation: ~2^-20 relative per operand), the 8 warps
-// tiling the MP x MP result in 16 x 8 tiles (kWarpRows x kWarpCols warps of kRows x kCols tiles): 5x fewer
-// shared-memory reads per product than the CUDA-core 4 x 4 register tiles, whose reads bound that kernel (NOTES.md).
-// For m > 64 the CUDA-core products (inv_product; thread (ty, tx) owns rows ty + 16 i, columns tx + 16 j).
-// Acc: one product's accumulators; zero, add (acc += lp lq over k < kdim) and for_each (f(r, c, value) on this thread's
-// entries: together the threads cover the MP x MP block once).
-template <int TM, bool kTensorCores = (TM <= 4)>
-struct NsProducts {
-  static constexpr int MP = 16 * TM, LD = ns_ld<TM>();
-  using Acc = float[TM][TM];
-
-  __device__ static void zero(Acc& acc) {
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TM; ++j) acc[i][j] = 0.f;
-  }
-  template <typename LP, typename LQ>
-  __device__ static void add(Acc& acc, int kdim, LP lp, LQ lq) {
-    inv_product<true>(acc, kdim, lp, lq, threadIdx.x / 16, threadIdx.x % 16);
-  }
-  template <typename F>
-  __device__ static void for_each(const Acc& acc, F f) {  // f(r, c, value) on this thread's entries
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TM; ++j) f(ty + 16 * i, tx + 16 * j, acc[i][j]);
-  }
-};
-
-template <int TM>
-struct NsProducts<TM, true> {
-  static constexpr int MP = 16 * TM, LD = ns_ld<TM>();
-  static constexpr int kTileRows = MP / 16, kTileCols = MP / 8, kWarps = kThreads / 32;
-  static constexpr int kWarpRows = kTileRows < 4 ? kTileRows : 4, kWarpCols = kWarps / kWarpRows;
-  static constexpr int kRows = kTileRows / kWarpRows, kCols = kTileCols / kWarpCols;
-  static_assert(kWarpRows * kWarpCols == kWarps && kRows * kWarpRows == kTileRows && kCols * kWarpCols == kTileCols,
-                "the warps must tile the result");
-  using Acc = float[kRows][kCols][4];
-
-  __device__ static int row0() { return (threadIdx.x / 32 / kWarpCols) * kRows * 16; }
-  __device__ static int col0() { return (threadIdx.x / 32 % kWarpCols) * kCols * 8; }
-
-  __device__ static void zero(Acc& acc) {
-#pragma unroll
-    for (int i = 0; i < kRows; ++i)
-#pragma unroll
-      for (int j = 0; j < kCols; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
-  }
-  // k runs in steps of 8 up to kdim rounded up: the buffers are zero outside the m x m block.
-  template <typename LP, typename LQ>
-  __device__ static void add(Acc& acc, int kdim, LP lp, LQ lq) {
-    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = row0() + g, c0 = col0() + g;
-    for (int k0 = 0; k0 < kdim; k0 += 8) {
-      uint32_t ahi[kRows][4], alo[kRows][4], bhi[kCols][2], blo[kCols][2];
-#pragma unroll
-      for (int i = 0; i < kRows; ++i) {  // A: (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)
-        const int r = r0 + 16 * i;
-        mma::tf32_split(lp(r, k0 + t), ahi[i][0], alo[i][0]);
-        mma::tf32_split(lp(r + 8, k0 + t), ahi[i][1], alo[i][1]);
-        mma::tf32_split(lp(r, k0 + t + 4), ahi[i][2], alo[i][2]);
-        mma::tf32_split(lp(r + 8, k0 + t + 4), ahi[i][3], alo[i][3]);
-      }
-#pragma unroll
-      for (int j = 0; j < kCols; ++j) {  // B: (t, g), (t + 4, g)
-        const int c = c0 + 8 * j;
-        mma::tf32_split(lq(k0 + t, c), bhi[j][0], blo[j][0]);
-        mma::tf32_split(lq(k0 + t + 4, c), bhi[j][1], blo[j][1]);
-      }
-#pragma unroll
-      for (int i = 0; i < kRows; ++i)
-#pragma unroll
-        for (int j = 0; j < kCols; ++j) mma::mma_tf32x3(acc[i][j], ahi[i], alo[i], bhi[j], blo[j]);
-    }
-  }
-  template <typename F>
-  __device__ static void for_each(const Acc& acc, F f) {  // C: (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
-    const int lane = threadIdx.x % 32, r0 = row0() + lane / 4, c0 = col0() + 2 * (lane % 4);
-#pragma unroll
-    for (int i = 0; i < kRows; ++i)
-#pragma unroll
-      for (int j = 0; j < kCols; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) f(r0 + 16 * i + 8 * (e / 2), c0 + 8 * j + e % 2, acc[i][j][e]);
-  }
-};
 
 // Block sum in a fixed order (butterfly in each warp, then the warps in turn): deterministic. `red`: kThreads / 32
 // floats; ends with a barrier, so `red` may be reused.

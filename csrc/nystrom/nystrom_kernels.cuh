@@ -21,6 +21,7 @@
 //                                 memory, optionally saved for the backward), W = Z W0
 #pragma once
 
+#include "common/mma.cuh"
 #include "common/strides.cuh"
 #include "common/tile.cuh"
 
@@ -389,6 +390,95 @@ __device__ __forceinline__ void inv_product(float (&acc)[TM][TN], int kdim, LP l
   }
 }
 
+// The fp32 m x m products of Newton–Schulz (the inverse kernel's steps; the VJP's, all but its two with A): on tensor
+// cores for m <= 64 (TM <= 4), m16n8k8 with both operands in two tf32 halves (hi hi + hi lo + lo hi, fp32
+// accumulation: ~2^-20 relative per operand), the 8 warps tiling the MP x MP result in 16 x 8 tiles (kWarpRows x
+// kWarpCols warps of kRows x kCols tiles): 5x fewer shared-memory reads per product than the CUDA-core 4 x 4
+// register tiles, whose reads bound those kernels (NOTES.md). For m > 64 the CUDA-core products (inv_product;
+// thread (ty, tx) owns rows ty + 16 i, columns tx + 16 j).
+// Acc: one product's accumulators; zero, add (acc += lp lq over k < kdim) and for_each (f(r, c, value) on this thread's
+// entries: together the threads cover the MP x MP block once).
+template <int TM, bool kTensorCores = (TM <= 4)>
+struct NsProducts {
+  using Acc = float[TM][TM];
+
+  __device__ static void zero(Acc& acc) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TM; ++j) acc[i][j] = 0.f;
+  }
+  template <typename LP, typename LQ>
+  __device__ static void add(Acc& acc, int kdim, LP lp, LQ lq) {
+    inv_product<true>(acc, kdim, lp, lq, threadIdx.x / 16, threadIdx.x % 16);
+  }
+  template <typename F>
+  __device__ static void for_each(const Acc& acc, F f) {  // f(r, c, value) on this thread's entries
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TM; ++j) f(ty + 16 * i, tx + 16 * j, acc[i][j]);
+  }
+};
+
+template <int TM>
+struct NsProducts<TM, true> {
+  static constexpr int MP = 16 * TM;
+  static constexpr int kTileRows = MP / 16, kTileCols = MP / 8, kWarps = kThreads / 32;
+  static constexpr int kWarpRows = kTileRows < 4 ? kTileRows : 4, kWarpCols = kWarps / kWarpRows;
+  static constexpr int kRows = kTileRows / kWarpRows, kCols = kTileCols / kWarpCols;
+  static_assert(kWarpRows * kWarpCols == kWarps && kRows * kWarpRows == kTileRows && kCols * kWarpCols == kTileCols,
+                "the warps must tile the result");
+  using Acc = float[kRows][kCols][4];
+
+  __device__ static int row0() { return (threadIdx.x / 32 / kWarpCols) * kRows * 16; }
+  __device__ static int col0() { return (threadIdx.x / 32 % kWarpCols) * kCols * 8; }
+
+  __device__ static void zero(Acc& acc) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+  }
+  // k runs in steps of 8 up to kdim rounded up: the buffers are zero outside the m x m block.
+  template <typename LP, typename LQ>
+  __device__ static void add(Acc& acc, int kdim, LP lp, LQ lq) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = row0() + g, c0 = col0() + g;
+    for (int k0 = 0; k0 < kdim; k0 += 8) {
+      uint32_t ahi[kRows][4], alo[kRows][4], bhi[kCols][2], blo[kCols][2];
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {  // A: (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)
+        const int r = r0 + 16 * i;
+        mma::tf32_split(lp(r, k0 + t), ahi[i][0], alo[i][0]);
+        mma::tf32_split(lp(r + 8, k0 + t), ahi[i][1], alo[i][1]);
+        mma::tf32_split(lp(r, k0 + t + 4), ahi[i][2], alo[i][2]);
+        mma::tf32_split(lp(r + 8, k0 + t + 4), ahi[i][3], alo[i][3]);
+      }
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {  // B: (t, g), (t + 4, g)
+        const int c = c0 + 8 * j;
+        mma::tf32_split(lq(k0 + t, c), bhi[j][0], blo[j][0]);
+        mma::tf32_split(lq(k0 + t + 4, c), bhi[j][1], blo[j][1]);
+      }
+#pragma unroll
+      for (int i = 0; i < kRows; ++i)
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) mma::mma_tf32x3(acc[i][j], ahi[i], alo[i], bhi[j], blo[j]);
+    }
+  }
+  template <typename F>
+  __device__ static void for_each(const Acc& acc, F f) {  // C: (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+    const int lane = threadIdx.x % 32, r0 = row0() + lane / 4, c0 = col0() + 2 * (lane % 4);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kCols; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f(r0 + 16 * i + 8 * (e / 2), c0 + 8 * j + e % 2, acc[i][j][e]);
+  }
+};
+
 // Column t's and row t's sums of |X| over the m x m block of X (rows LD floats apart), by threads t < m, each in row
 // order: the forward's ‖A‖₁‖A‖∞ and its backward's amax-tie test read the same sums.
 template <int LD>
@@ -404,12 +494,12 @@ __device__ __forceinline__ void abs_line_sums(const float* x, int m, float* col_
   row_sums[t] = rs;
 }
 
-// ‖X‖₁‖X‖∞ of the m x m block of X (row stride MP), fixed order; every thread gets the value.
-template <int MP>
+// ‖X‖₁‖X‖∞ of the m x m block of X (rows LD floats apart), fixed order; every thread gets the value.
+template <int MP, int LD>
 __device__ __forceinline__ float inv_norm_product(const float* x, int m, float* red) {
   __syncthreads();  // red's previous readers are done
   const int t = threadIdx.x;
-  abs_line_sums<MP>(x, m, red, red + MP);
+  abs_line_sums<LD>(x, m, red, red + MP);
   __syncthreads();
   if (t == 0) {
     float cm = 0.f, rm = 0.f;
@@ -423,16 +513,23 @@ __device__ __forceinline__ float inv_norm_product(const float* x, int m, float* 
   return red[2 * MP];
 }
 
+// Row pitch of the inverse kernel's m x m buffers: MP + 4 where the Newton–Schulz products run on tensor cores
+// (m <= 64: fragment reads conflict-free), MP for m > 64 (A and Z in the host's (B Hq, 2, 128, 128) scratch).
+template <int TM>
+constexpr int inv_ld() {
+  return TM == 8 ? 16 * TM : 16 * TM + 4;
+}
+
 // Grid (B Hq), 256 threads, dynamic shared memory inv_smem_bytes<TM>().
 template <int TM>
 constexpr int inv_smem_bytes() {
-  return (TM == 8 ? 2 : 4) * (16 * TM) * (16 * TM) * static_cast<int>(sizeof(float));
+  return (TM == 8 ? 2 : 4) * (16 * TM) * inv_ld<TM>() * static_cast<int>(sizeof(float));
 }
 
 // Two blocks per SM (128 registers) where B Hq exceeds the SMs, except m > 64 (its 8 x 8 tiles need ~190).
 template <int TM, int D>
 __global__ void __launch_bounds__(kThreads, TM == 8 ? 1 : 2) nystrom_inverse_fwd_kernel(const InvParams p) {
-  constexpr int MP = 16 * TM, MM = MP * MP;
+  constexpr int MP = 16 * TM, LD = inv_ld<TM>(), MM = MP * LD;
   constexpr bool kGlobalAZ = TM == 8;
   extern __shared__ float4 inv_smem[];
   __shared__ float red[2 * MP + 1];
@@ -453,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, TM == 8 ? 1 : 2) nystrom_inverse_fwd
   const float* kl = p.k_land + ((long long)b * (p.hq / p.groups) + g) * m * D;
   float* k2g = p.k2 + (long long)bh * m * m;
   const long long mm2 = (long long)m * m;
-  auto at = [](const float* x) { return [x](int r, int c) { return x[r * MP + c]; }; };
+  auto at = [](const float* x) { return [x](int r, int c) { return x[r * LD + c]; }; };
   auto eye = [m](int r, int c, float v) { return r == c && r < m ? v : 0.f; };
   float acc[TM][TM];
 
@@ -497,73 +594,64 @@ __global__ void __launch_bounds__(kThreads, TM == 8 ? 1 : 2) nystrom_inverse_fwd
     for (int j = 0; j < TM; ++j) {
       const int c = tx + 16 * j;
       const float v = r < m ? acc[i][j] / sum : 0.f;
-      k2s[r * MP + c] = v;
+      k2s[r * LD + c] = v;
       if (r < m && c < m) k2g[r * m + c] = v;
     }
   }
   __syncthreads();
   if (p.ridge) {  // A = K2ᵀK2 + λI, λ = ‖K2‖₁‖K2‖∞ / kappa
-    const float lam = inv_norm_product<MP>(mz, m, red) / p.kappa;
-    inv_product(acc, m, [&](int r, int k) { return mz[k * MP + r]; }, at(mz), ty, tx);
+    const float lam = inv_norm_product<MP, LD>(mz, m, red) / p.kappa;
+    inv_product(acc, m, [&](int r, int k) { return mz[k * LD + r]; }, at(mz), ty, tx);
 #pragma unroll
     for (int i = 0; i < TM; ++i)
 #pragma unroll
       for (int j = 0; j < TM; ++j) {
         const int r = ty + 16 * i, c = tx + 16 * j;
-        a[r * MP + c] = acc[i][j] + eye(r, c, lam);
+        a[r * LD + c] = acc[i][j] + eye(r, c, lam);
       }
     __syncthreads();
   }
-  const float s = inv_norm_product<MP>(a, m, red);
+  const float s = inv_norm_product<MP, LD>(a, m, red);
   if (p.s != nullptr && threadIdx.x == 0) p.s[bh] = s;
-  for (int e = threadIdx.x; e < MM; e += kThreads) {  // Z₀ = Aᵀ / s
+  for (int e = threadIdx.x; e < MP * MP; e += kThreads) {  // Z₀ = Aᵀ / s
     const int r = e / MP, c = e % MP;
-    const float v = a[c * MP + r] / s;
-    z[e] = v;
+    const float v = a[c * LD + r] / s;
+    z[r * LD + c] = v;
     if (r < m && c < m) {
-      if (p.a != nullptr) p.a[bh * mm2 + c * m + r] = a[c * MP + r];
+      if (p.a != nullptr) p.a[bh * mm2 + c * m + r] = a[c * LD + r];
       if (p.zs != nullptr) p.zs[(long long)bh * (p.iters + 1) * mm2 + r * m + c] = v;
     }
   }
   __syncthreads();
 
+  using P = NsProducts<TM>;
+  typename P::Acc x;
   for (int it = 0; it < p.iters; ++it) {  // Z ← ¼Z(13I − M(15I − M(7I − M))), M = AZ
-    inv_product(acc, m, at(a), at(z), ty, tx);
+    P::zero(x);
+    P::add(x, m, at(a), at(z));
     __syncthreads();
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TM; ++j) {
-        const int r = ty + 16 * i, c = tx + 16 * j;
-        mz[r * MP + c] = acc[i][j];
-        tt[r * MP + c] = eye(r, c, 7.f) - acc[i][j];
-      }
+    P::for_each(x, [&](int r, int c, float v) {
+      mz[r * LD + c] = v;
+      tt[r * LD + c] = eye(r, c, 7.f) - v;
+    });
     __syncthreads();
 #pragma unroll 1
     for (int step = 0; step < 2; ++step) {  // T ← 15I − M T, then T ← 13I − M T
-      inv_product(acc, m, at(mz), at(tt), ty, tx);
+      P::zero(x);
+      P::add(x, m, at(mz), at(tt));
       __syncthreads();
       const float c0 = step == 0 ? 15.f : 13.f;
-#pragma unroll
-      for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int j = 0; j < TM; ++j) {
-          const int r = ty + 16 * i, c = tx + 16 * j;
-          tt[r * MP + c] = eye(r, c, c0) - acc[i][j];
-        }
+      P::for_each(x, [&](int r, int c, float v) { tt[r * LD + c] = eye(r, c, c0) - v; });
       __syncthreads();
     }
-    inv_product(acc, m, [&](int r, int k) { return 0.25f * z[r * MP + k]; }, at(tt), ty, tx);
+    P::zero(x);
+    P::add(x, m, [&](int r, int k) { return 0.25f * z[r * LD + k]; }, at(tt));
     __syncthreads();
     float* zs = p.zs != nullptr ? p.zs + ((long long)bh * (p.iters + 1) + it + 1) * mm2 : nullptr;
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TM; ++j) {
-        const int r = ty + 16 * i, c = tx + 16 * j;
-        z[r * MP + c] = acc[i][j];
-        if (zs != nullptr && r < m && c < m) zs[r * m + c] = acc[i][j];
-      }
+    P::for_each(x, [&](int r, int c, float v) {
+      z[r * LD + c] = v;
+      if (zs != nullptr && r < m && c < m) zs[r * m + c] = v;
+    });
     __syncthreads();
   }
 
@@ -573,11 +661,11 @@ __global__ void __launch_bounds__(kThreads, TM == 8 ? 1 : 2) nystrom_inverse_fwd
 #pragma unroll
     for (int i = 0; i < TM; ++i)
 #pragma unroll
-      for (int j = 0; j < TM; ++j) z[(ty + 16 * i) * MP + tx + 16 * j] = acc[i][j];
+      for (int j = 0; j < TM; ++j) z[(ty + 16 * i) * LD + tx + 16 * j] = acc[i][j];
     __syncthreads();
   }
   if (p.z != nullptr) {
-    for (int e = threadIdx.x; e < m * m; e += kThreads) p.z[bh * mm2 + e] = z[(e / m) * MP + e % m];
+    for (int e = threadIdx.x; e < m * m; e += kThreads) p.z[bh * mm2 + e] = z[(e / m) * LD + e % m];
   }
 
   // W = Z W0 (m x D), KC output columns at a time with W0's columns staged in mz (free after Newton–Schulz)
