@@ -9,7 +9,6 @@ import hf_attention_backends  # noqa: F401 (loads the extension)
 from hf_attention_backends.ops.nystrom import op as nop
 
 
-
 def per_call(fn, calls: int = 300) -> tuple[float, float]:
     """(µs per call until the host has enqueued ``calls`` calls, µs per call until the GPU has run them)."""
     for _ in range(5):
@@ -30,13 +29,13 @@ def main() -> None:
         q, k, v = [torch.randn(B, H, N, D, device=dev, dtype=torch.float16) for _ in range(3)]
         g = torch.randn_like(q)
         h = (64, 6, 0.0, D ** -0.5)
-        out, st = torch.ops.hfab.nystrom_fwd.default(q, k, v, None, None, *h)
+        _, state = torch.ops.hfab.nystrom_fwd.default(q, k, v, None, None, *h)
         qq, kk, vv = [t.detach().requires_grad_(True) for t in (q, k, v)]
         x = torch.zeros(16, device=dev)
         cases = {
             "check_args": lambda: nop._check_args(q, k, v, 64, 6, 0.0, None, None, None),
             "op fwd (torch.ops)": lambda: torch.ops.hfab.nystrom_fwd.default(q, k, v, None, None, *h),
-            "op bwd with state": lambda: torch.ops.hfab.nystrom_bwd.default(g, q, k, v, None, None, *h, st),
+            "op bwd with state": lambda: torch.ops.hfab.nystrom_bwd.default(g, q, k, v, None, None, *h, state),
             "op bwd recompute": lambda: torch.ops.hfab.nystrom_bwd.default(g, q, k, v, None, None, *h, []),
             "public fwd no_grad": lambda: torch.no_grad()(nop.nystrom_attention)(q, k, v),
             "public fwd with grad": lambda: nop.nystrom_attention(qq, kk, vv),
