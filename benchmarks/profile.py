@@ -39,16 +39,22 @@ def warm_call(case_name: str, n: int, mode: str, provider: str):
     return call
 
 
-def kernel_table(case_name: str, n: int, mode: str, provider: str, calls: int) -> list[tuple[str, float, int]]:
-    """[(kernel name, GPU ms per call, launches per call)] sorted by time, for ``calls`` profiled calls."""
-    call = warm_call(case_name, n, mode, provider)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+def profiled(call, calls: int, activity, time_of) -> list[tuple[str, float, int]]:
+    """[(event name, ms per call, occurrences per call)] of ``calls`` calls under torch.profiler recording
+    ``activity``, timed by ``time_of(event)`` (µs), largest first."""
+    with profile(activities=[activity]) as prof:
         for i in range(calls):
             call(i)
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / 1e3 / calls, e.count // calls) for e in prof.key_averages()
-            if e.device_time_total > 0]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    rows = [(e.key, time_of(e) / 1e3 / calls, e.count // calls) for e in prof.key_averages() if time_of(e) > 0]
     return sorted(rows, key=lambda r: -r[1])
+
+
+def kernel_table(case_name: str, n: int, mode: str, provider: str, calls: int) -> list[tuple[str, float, int]]:
+    """[(kernel name, GPU ms per call, launches per call)] sorted by time, for ``calls`` profiled calls."""
+    return profiled(warm_call(case_name, n, mode, provider), calls, ProfilerActivity.CUDA,
+                    lambda e: e.device_time_total)
 
 
 def host_table(case_name: str, n: int, mode: str, provider: str, calls: int):
@@ -60,13 +66,8 @@ def host_table(case_name: str, n: int, mode: str, provider: str, calls: int):
     enqueued = time.perf_counter()
     torch.cuda.synchronize()
     done = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for i in range(calls):
-            call(i)
-        torch.cuda.synchronize()
-    rows = [(e.key, e.self_cpu_time_total / 1e3 / calls, e.count // calls) for e in prof.key_averages()
-            if e.self_cpu_time_total > 0]
-    return (1e3 * (enqueued - start) / calls, 1e3 * (done - start) / calls, sorted(rows, key=lambda r: -r[1]))
+    rows = profiled(call, calls, ProfilerActivity.CPU, lambda e: e.self_cpu_time_total)
+    return 1e3 * (enqueued - start) / calls, 1e3 * (done - start) / calls, rows
 
 
 def main(argv=None) -> int:

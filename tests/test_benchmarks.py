@@ -416,6 +416,19 @@ def test_gpu_check_script_cpu_mode(tmp_path):
     assert (out / "cpu.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_profiled_counts_operators_per_call():
+    from torch.profiler import ProfilerActivity
+
+    from benchmarks.profile import profiled
+
+    a = torch.randn(64, 64)
+    rows = profiled(lambda i: [torch.mm(a, a) for _ in range(3)], 4, ProfilerActivity.CPU,
+                    lambda e: e.self_cpu_time_total)
+    by_name = {name: (ms, count) for name, ms, count in rows}
+    assert by_name["aten::mm"][1] == 3 and by_name["aten::mm"][0] > 0
+    assert [ms for _, ms, _ in rows] == sorted((ms for _, ms, _ in rows), reverse=True)
+
+
 @pytest.mark.cuda
 def test_profile_lists_the_kernels_of_a_call():
     from benchmarks.profile import kernel_table
