@@ -23,6 +23,7 @@
 //   nystrom_ns_bwd_kernel     per (b, q head): the Newton–Schulz VJP through every saved iterate (m x m)
 #pragma once
 
+#include "common/mma.cuh"
 #include "nystrom/nystrom_kernels.cuh"
 
 namespace hfab {
@@ -498,9 +499,10 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_dq_bwd_kernel(const BwdPa
 //   dM = dV t2ᵀ + dU t1ᵀ − Mᵀ dU, da += dM Z_iᵀ, gz ← dZ_i + Aᵀ dM.
 // Then dL/dA through Z₀ = Aᵀ / s, s = ‖A‖₁‖A‖∞ (max column |.| sum x max row |.| sum; an amax tie shares its
 // gradient evenly, as torch's amax), so the block writes the whole dL/dA. Matrices padded to MP = 16 TM with
-// zeros, rows ns_ld<TM>() floats apart (one more than MP: the transposed reads are conflict-free), in dynamic
+// zeros, rows ns_ld<TM>() floats apart, in dynamic
 // shared memory for m <= 64 (ns_bwd_smem_bytes) and in the block's own global scratch for m > 64 (9 x 66 KB would
-// not fit a block); thread (ty, tx) owns rows ty + 16 i and columns tx + 16 j; every product sums over k < m only.
+// not fit a block). The two products with A run on CUDA cores (thread (ty, tx) owns rows ty + 16 i, columns
+// tx + 16 j), the others through NsProducts (tensor cores for m <= 64); every product sums over k < m only.
 // Each product writes buffers that no thread reads in the same phase, then one barrier. The two products with A
 // (M = A Z_i, Aᵀ dM) accumulate in double: near convergence Z_i ≈ A⁺, their terms cancel (max |A||Z_i| /
 // max |A Z_i| ≈ 2e3 for cond(A) ≈ 1e4 at newton_iter 20, m 8) and float sums left dA with a 2e-3 relative error
@@ -518,9 +520,12 @@ struct NsBwdParams {
 
 constexpr int kNsBuffers = 9;
 
+// Row pitch of the padded buffers: MP + 4 where the tensor-core products read them (bank 4 g + t for the fragment
+// element (g, t) of a row-major read: conflict-free; 2-way for a transposed one), MP + 1 for the CUDA-core products
+// of m > 64 (their transposed reads conflict-free). The host's m > 64 scratch uses MP + 1.
 template <int TM>
 constexpr int ns_ld() {
-  return 16 * TM + 1;
+  return TM <= 4 ? 16 * TM + 4 : 16 * TM + 1;
 }
 
 template <int TM>
@@ -528,7 +533,7 @@ constexpr bool ns_in_shared() {
   return TM <= 4;
 }
 
-// Dynamic shared memory of nystrom_ns_bwd_kernel<TM>: 38 KB for m <= 32, 146 KB for m <= 64, none above.
+// Dynamic shared memory of nystrom_ns_bwd_kernel<TM>: 41 KB for m <= 32, 153 KB for m <= 64, none above.
 template <int TM>
 constexpr int ns_bwd_smem_bytes() {
   return ns_in_shared<TM>() ? kNsBuffers * 16 * TM * ns_ld<TM>() * static_cast<int>(sizeof(float)) : 0;
@@ -558,6 +563,95 @@ __device__ __forceinline__ void inv_product_f64(float (&out)[TM][TM], int kdim, 
 #pragma unroll
     for (int j = 0; j < TM; ++j) out[i][j] = static_cast<float>(acc[i][j]);
 }
+
+// The VJP's fp32 products (all but the two with A): on tensor cores for m <= 64 (TM <= 4), m16n8k8 with both
+// operands in two tf32 halves (hi hi + hi lo + lo hi, fp32 accumulation: ~2^-20 relative per operand), the 8 warps
+// tiling the MP x MP result in 16 x 8 tiles (kWarpRows x kWarpCols warps of kRows x kCols tiles): 5x fewer
+// shared-memory reads per product than the CUDA-core 4 x 4 register tiles, whose reads bound that kernel (NOTES.md).
+// For m > 64 the CUDA-core products (inv_product; thread (ty, tx) owns rows ty + 16 i, columns tx + 16 j).
+// Acc: one product's accumulators; zero, add (acc += lp lq over k < kdim) and for_each (f(r, c, value) on this thread's
+// entries: together the threads cover the MP x MP block once).
+template <int TM, bool kTensorCores = (TM <= 4)>
+struct NsProducts {
+  static constexpr int MP = 16 * TM, LD = ns_ld<TM>();
+  using Acc = float[TM][TM];
+
+  __device__ static void zero(Acc& acc) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TM; ++j) acc[i][j] = 0.f;
+  }
+  template <typename LP, typename LQ>
+  __device__ static void add(Acc& acc, int kdim, LP lp, LQ lq) {
+    inv_product<true>(acc, kdim, lp, lq, threadIdx.x / 16, threadIdx.x % 16);
+  }
+  template <typename F>
+  __device__ static void for_each(const Acc& acc, F f) {  // f(r, c, value) on this thread's entries
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < TM; ++j) f(ty + 16 * i, tx + 16 * j, acc[i][j]);
+  }
+};
+
+template <int TM>
+struct NsProducts<TM, true> {
+  static constexpr int MP = 16 * TM, LD = ns_ld<TM>();
+  static constexpr int kTileRows = MP / 16, kTileCols = MP / 8, kWarps = kThreads / 32;
+  static constexpr int kWarpRows = kTileRows < 4 ? kTileRows : 4, kWarpCols = kWarps / kWarpRows;
+  static constexpr int kRows = kTileRows / kWarpRows, kCols = kTileCols / kWarpCols;
+  static_assert(kWarpRows * kWarpCols == kWarps && kRows * kWarpRows == kTileRows && kCols * kWarpCols == kTileCols,
+                "the warps must tile the result");
+  using Acc = float[kRows][kCols][4];
+
+  __device__ static int row0() { return (threadIdx.x / 32 / kWarpCols) * kRows * 16; }
+  __device__ static int col0() { return (threadIdx.x / 32 % kWarpCols) * kCols * 8; }
+
+  __device__ static void zero(Acc& acc) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
+  }
+  // k runs in steps of 8 up to kdim rounded up: the buffers are zero outside the m x m block.
+  template <typename LP, typename LQ>
+  __device__ static void add(Acc& acc, int kdim, LP lp, LQ lq) {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = row0() + g, c0 = col0() + g;
+    for (int k0 = 0; k0 < kdim; k0 += 8) {
+      uint32_t ahi[kRows][4], alo[kRows][4], bhi[kCols][2], blo[kCols][2];
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {  // A: (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)
+        const int r = r0 + 16 * i;
+        mma::tf32_split(lp(r, k0 + t), ahi[i][0], alo[i][0]);
+        mma::tf32_split(lp(r + 8, k0 + t), ahi[i][1], alo[i][1]);
+        mma::tf32_split(lp(r, k0 + t + 4), ahi[i][2], alo[i][2]);
+        mma::tf32_split(lp(r + 8, k0 + t + 4), ahi[i][3], alo[i][3]);
+      }
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {  // B: (t, g), (t + 4, g)
+        const int c = c0 + 8 * j;
+        mma::tf32_split(lq(k0 + t, c), bhi[j][0], blo[j][0]);
+        mma::tf32_split(lq(k0 + t + 4, c), bhi[j][1], blo[j][1]);
+      }
+#pragma unroll
+      for (int i = 0; i < kRows; ++i)
+#pragma unroll
+        for (int j = 0; j < kCols; ++j) mma::mma_tf32x3(acc[i][j], ahi[i], alo[i], bhi[j], blo[j]);
+    }
+  }
+  template <typename F>
+  __device__ static void for_each(const Acc& acc, F f) {  // C: (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+    const int lane = threadIdx.x % 32, r0 = row0() + lane / 4, c0 = col0() + 2 * (lane % 4);
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+#pragma unroll
+      for (int j = 0; j < kCols; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f(r0 + 16 * i + 8 * (e / 2), c0 + 8 * j + e % 2, acc[i][j][e]);
+  }
+};
 
 // Block sum in a fixed order (butterfly in each warp, then the warps in turn): deterministic. `red`: kThreads / 32
 // floats; ends with a barrier, so `red` may be reused.
@@ -657,66 +751,65 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_ns_bwd_kernel(const NsBwd
   load_padded(gz, p.gz + bh * mm2);
   auto at = [](const float* x) { return [x](int r, int c) { return x[r * LD + c]; }; };
   auto tr = [](const float* x) { return [x](int r, int c) { return x[c * LD + r]; }; };
+  auto neg_tr = [](const float* x) { return [x](int r, int c) { return -x[c * LD + r]; }; };
   auto eye = [m](int r, int c, float v) { return r == c && r < m ? v : 0.f; };
-  float acc[TM][TM], dacc[TM][TM];
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TM; ++j) da[(ty + 16 * i) * MP + tx + 16 * j] = 0.f;
-  // x → out[r][c] = f(r, c, x[i][j]) on this thread's entries
-  auto store = [&](float* out, const float (&x)[TM][TM], auto f) {
+  for (int e = threadIdx.x; e < MP * MP; e += kThreads) da[e] = 0.f;
+  float f64acc[TM][TM];  // the two products with A, on CUDA cores in double
+  // f64acc → out[r][c] = f(r, c, x) on this thread's entries (CUDA-core layout)
+  auto store_f64 = [&](float* out, auto f) {
 #pragma unroll
     for (int i = 0; i < TM; ++i)
 #pragma unroll
       for (int j = 0; j < TM; ++j) {
         const int r = ty + 16 * i, c = tx + 16 * j;
-        out[r * LD + c] = f(r, c, x[i][j]);
+        out[r * LD + c] = f(r, c, f64acc[i][j]);
       }
   };
-  auto copy = [](int, int, float x) { return x; };
+  using P = NsProducts<TM>;
+  typename P::Acc x, y;
+  auto store = [](float* out, const typename P::Acc& acc, auto f) {
+    P::for_each(acc, [&](int r, int c, float v) { out[r * LD + c] = f(r, c, v); });
+  };
+  auto copy = [](int, int, float v) { return v; };
 
   for (int it = p.iters - 1; it >= 0; --it) {
     load_padded(zb, p.zs + (bh * (p.iters + 1) + it) * mm2);  // Z_i; the previous readers passed a barrier
     __syncthreads();
-    inv_product_f64(acc, m, at(a), at(zb), ty, tx);  // M = A Z_i
-    store(mz, acc, copy);
-    store(t1, acc, [&](int r, int c, float x) { return eye(r, c, 7.f) - x; });
+    inv_product_f64(f64acc, m, at(a), at(zb), ty, tx);  // M = A Z_i
+    store_f64(mz, copy);
+    store_f64(t1, [&](int r, int c, float v) { return eye(r, c, 7.f) - v; });
     __syncthreads();
-    inv_product(acc, m, at(mz), at(t1), ty, tx);
-    store(t2, acc, [&](int r, int c, float x) { return eye(r, c, 15.f) - x; });
+    P::zero(x);
+    P::add(x, m, at(mz), at(t1));
+    store(t2, x, [&](int r, int c, float v) { return eye(r, c, 15.f) - v; });
     __syncthreads();
-    inv_product(acc, m, at(mz), at(t2), ty, tx);
-    store(t3, acc, [&](int r, int c, float x) { return eye(r, c, 13.f) - x; });
+    P::zero(x);
+    P::add(x, m, at(mz), at(t2));
+    store(t3, x, [&](int r, int c, float v) { return eye(r, c, 13.f) - v; });
     __syncthreads();
-    inv_product(dacc, m, at(gz), tr(t3), ty, tx);  // 4 dZ_i
-    inv_product(acc, m, tr(zb), at(gz), ty, tx);   // -4 dV
-    __syncthreads();                               // every read of gz is done
-    store(gz, dacc, [](int, int, float x) { return 0.25f * x; });
-    store(dv, acc, [](int, int, float x) { return -0.25f * x; });
+    P::zero(x);
+    P::add(x, m, at(gz), tr(t3));  // 4 dZ_i
+    P::zero(y);
+    P::add(y, m, tr(zb), at(gz));  // -4 dV
+    __syncthreads();               // every read of gz is done
+    store(gz, x, [](int, int, float v) { return 0.25f * v; });
+    store(dv, y, [](int, int, float v) { return -0.25f * v; });
     __syncthreads();
-    inv_product(acc, m, tr(mz), at(dv), ty, tx);
-    store(du, acc, [](int, int, float x) { return -x; });
+    P::zero(x);
+    P::add(x, m, tr(mz), at(dv));
+    store(du, x, [](int, int, float v) { return -v; });
     __syncthreads();
-    inv_product(dacc, m, at(dv), tr(t2), ty, tx);
-    inv_product(acc, m, at(du), tr(t1), ty, tx);
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TM; ++j) dacc[i][j] += acc[i][j];
-    inv_product(acc, m, tr(mz), at(du), ty, tx);
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TM; ++j) dacc[i][j] -= acc[i][j];
-    store(dm, dacc, copy);
+    P::zero(x);  // dM = dV t2ᵀ + dU t1ᵀ - Mᵀ dU
+    P::add(x, m, at(dv), tr(t2));
+    P::add(x, m, at(du), tr(t1));
+    P::add(x, m, neg_tr(mz), at(du));
+    store(dm, x, copy);
     __syncthreads();
-    inv_product(acc, m, at(dm), tr(zb), ty, tx);
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TM; ++j) da[(ty + 16 * i) * MP + tx + 16 * j] += acc[i][j];
-    inv_product_f64(acc, m, tr(a), at(dm), ty, tx);
-    store(gz, acc, [&](int r, int c, float x) { return gz[r * LD + c] + x; });
+    P::zero(x);
+    P::add(x, m, at(dm), tr(zb));
+    P::for_each(x, [&](int r, int c, float v) { da[r * MP + c] += v; });
+    inv_product_f64(f64acc, m, tr(a), at(dm), ty, tx);
+    store_f64(gz, [&](int r, int c, float v) { return gz[r * LD + c] + v; });
     __syncthreads();
   }
   __syncthreads();  // newton_iter 0: the loads above
