@@ -7,6 +7,9 @@
 2. How far such an error moves dq, dk, dv: float64 autograd through the reference's math with noise of a given
    relative size added to the gradients of W and of the landmark keys, at the shape of
    tests/ops/test_nystrom_cuda.py::test_newton_iterations[20].
+3. Newton–Schulz with its products as the tensor-core kernels compute them (`NsProducts`, m <= 64: both operands in
+   two tf32 halves, hi hi + hi lo + lo hi) against all-fp32 products and float64: the error of the output
+   K1 (Z (K3 v)), where |W| / |out| amplifies the error of Z.
 Run: python scripts/nystrom_tc_precision.py (CPU, a few seconds). csrc/nystrom/NOTES.md quotes its output."""
 import torch
 
@@ -88,6 +91,47 @@ def gradient_sensitivity(eps, seed=1):
     return [relative(a, c) for a, c in zip(run(eps), clean)]
 
 
+def tf32_halves(x):
+    """x (fp32) as two tf32 parts by truncation, as mma::tf32_split: hi keeps sign, exponent and 10 mantissa bits."""
+    def truncate(t):
+        return (t.contiguous().view(torch.int32) & -8192).view(torch.float32)  # 0xffffe000
+    hi = truncate(x)
+    return hi, truncate(x - hi)
+
+
+def product_3xtf32(a, b):
+    """a b (fp32) from hi hi + hi lo + lo hi, each exact in float64, the sum rounded to fp32."""
+    (ah, al), (bh, bl) = tf32_halves(a), tf32_halves(b)
+    return (ah.double() @ bh.double() + ah.double() @ bl.double() + al.double() @ bh.double()).float()
+
+
+def newton_schulz(a, iters, product):
+    """The kernels' Newton–Schulz (Z₀ = Aᵀ / ‖A‖₁‖A‖∞, Z ← ¼ Z (13I − M (15I − M (7I − M))), M = A Z)."""
+    eye = torch.eye(a.shape[-1], dtype=a.dtype)
+    z = a.T / (a.abs().sum(0).max() * a.abs().sum(1).max())
+    for _ in range(iters):
+        mz = product(a, z)
+        t = 15 * eye - product(mz, 7 * eye - mz)
+        z = product(0.25 * z, 13 * eye - product(mz, t))
+    return z
+
+
+def newton_schulz_output_errors(dtype, scale_in, m, n, iters, d=64, seed=0):
+    """(|W| / |out|, out error with fp32 products, with 3xTF32 products) against float64."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (rounded(torch.randn(n, d, generator=g, dtype=torch.float64) * scale_in, dtype) for _ in range(3))
+    r = d ** -0.25
+    q_land, k_land = segment_means(q * r, m), segment_means(k * r, m)
+    k1 = torch.softmax(q * r @ k_land.T, -1)
+    k2 = torch.softmax(q_land @ k_land.T, -1)
+    w0 = torch.softmax(q_land @ (k * r).T, -1) @ v
+    outs = [k1 @ (newton_schulz(k2.to(dt), iters, product).double() @ w0)
+            for dt, product in ((torch.float64, torch.matmul), (torch.float32, torch.matmul),
+                                (torch.float32, product_3xtf32))]
+    ratio = ((newton_schulz(k2, iters, torch.matmul) @ w0).abs().max() / outs[0].abs().max()).item()
+    return ratio, relative(outs[1], outs[0]), relative(outs[2], outs[0])
+
+
 def main():
     for dtype in (torch.bfloat16, torch.float16):
         for scale_in, m, n, iters in ((1, 64, 4097, 20), (3, 32, 2049, 6), (10, 32, 333, 6), (1, 128, 4097, 20)):
@@ -99,6 +143,13 @@ def main():
     for eps in (3e-6, 4e-5):
         moved = ", ".join(f"{name} {x:.1e}" for name, x in zip(("dq", "dk", "dv"), gradient_sensitivity(eps)))
         print(f"noise {eps:.0e} on dL/dW and dL/dK̃ moves {moved}")
+    for dtype in (torch.bfloat16, torch.float16):
+        for scale_in, m, n, iters in ((1, 64, 4097, 20), (1, 64, 4097, 6), (3, 32, 2049, 6), (10, 32, 333, 6),
+                                      (10, 8, 333, 20)):
+            ratio, fp32, tf32x3 = newton_schulz_output_errors(dtype, scale_in, m, n, iters)
+            rounding = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)
+            print(f"{str(dtype):15s} x{scale_in:<2} m={m:3d} N={n} NS {iters:2d} |W|/|out| {ratio:6.0f}: out with "
+                  f"fp32 products {fp32:.1e}, 3xTF32 products {tf32x3:.1e}; dtype rounding {rounding:.1e}")
 
 
 if __name__ == "__main__":
