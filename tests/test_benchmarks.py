@@ -429,6 +429,18 @@ def test_profiled_counts_operators_per_call():
     assert [ms for _, ms, _ in rows] == sorted((ms for _, ms, _ in rows), reverse=True)
 
 
+def test_host_probe_times_every_backend_three_ways(capsys):
+    from benchmarks import host_probe
+
+    host_probe.main(["--device", "cpu", "--tiny", "--calls", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    timed = {" ".join(r[:-2]): (float(r[-2]), float(r[-1])) for r in rows}
+    for backend in ("exact", "stieltjes", "race", "nystrom"):
+        for how in ("fwd no_grad", "fwd with grad", "fwd+bwd"):
+            enqueued, wall = timed[f"{backend} {how}"]
+            assert 0 < enqueued <= wall
+
+
 @pytest.mark.cuda
 def test_profile_lists_the_kernels_of_a_call():
     from benchmarks.profile import kernel_table
