@@ -10,6 +10,9 @@
 3. Newton–Schulz with its products as the tensor-core kernels compute them (`NsProducts`, m <= 64: both operands in
    two tf32 halves, hi hi + hi lo + lo hi) against all-fp32 products and float64: the error of the output
    K1 (Z (K3 v)), where |W| / |out| amplifies the error of Z.
+4. The Newton–Schulz VJP through the steps (nystrom_ns_bwd_kernel's formula) with its fp32 products as 3xTF32 and as
+   fp32, the two products with A in float64 rounded to fp32 (as the kernel): the error of dA and of the last dZ
+   against float64, for a random dL/dZ.
 Run: python scripts/nystrom_tc_precision.py (CPU, a few seconds). csrc/nystrom/NOTES.md quotes its output."""
 import torch
 
@@ -116,6 +119,47 @@ def newton_schulz(a, iters, product):
     return z
 
 
+def newton_schulz_vjp(a, zs, gz, product):
+    """(dA through the steps, dL/dZ₀) as nystrom_ns_bwd_kernel: the products with A in float64, rounded to a's dtype."""
+    def with_a(x, y):
+        return (x.double() @ y.double()).to(x.dtype)
+    eye = torch.eye(a.shape[-1], dtype=a.dtype)
+    da = torch.zeros_like(a)
+    for z in reversed(zs[:-1]):
+        mz = with_a(a, z)
+        t1 = 7 * eye - mz
+        t2 = 15 * eye - product(mz, t1)
+        t3 = 13 * eye - product(mz, t2)
+        dz = 0.25 * product(gz, t3.T)
+        dv = -0.25 * product(z.T, gz)
+        du = -product(mz.T, dv)
+        dm = product(dv, t2.T) + product(du, t1.T) - product(mz.T, du)
+        da = da + product(dm, z.T)
+        gz = dz + with_a(a.T, dm)
+    return da, gz
+
+
+def newton_schulz_vjp_errors(scale_in, m, iters, d=64, seed=0):
+    """(cond(K2), VJP error with fp32 products, with 3xTF32 products) against float64, for a random dL/dZ."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(m, d, generator=g, dtype=torch.float64) * scale_in for _ in range(2))
+    a = torch.softmax(q @ k.T / d ** 0.5, -1)
+    gz = torch.randn(m, m, generator=g, dtype=torch.float64)
+    zs, z = [], a.T / (a.abs().sum(0).max() * a.abs().sum(1).max())
+    for _ in range(iters + 1):
+        zs.append(z)
+        mz = a @ z
+        z = 0.25 * z @ (13 * torch.eye(m, dtype=a.dtype) - mz @ (15 * torch.eye(m, dtype=a.dtype)
+                                                                   - mz @ (7 * torch.eye(m, dtype=a.dtype) - mz)))
+    exact = newton_schulz_vjp(a, zs, gz, torch.matmul)
+    zs32 = [z.float() for z in zs]
+
+    def error(product):
+        got = newton_schulz_vjp(a.float(), zs32, gz.float(), product)
+        return max(relative(x.double(), e) for x, e in zip(got, exact))
+    return torch.linalg.cond(a).item(), error(torch.matmul), error(product_3xtf32)
+
+
 def newton_schulz_output_errors(dtype, scale_in, m, n, iters, d=64, seed=0):
     """(|W| / |out|, out error with fp32 products, with 3xTF32 products) against float64."""
     g = torch.Generator().manual_seed(seed)
@@ -150,6 +194,10 @@ def main():
             rounding = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)
             print(f"{str(dtype):15s} x{scale_in:<2} m={m:3d} N={n} NS {iters:2d} |W|/|out| {ratio:6.0f}: out with "
                   f"fp32 products {fp32:.1e}, 3xTF32 products {tf32x3:.1e}; dtype rounding {rounding:.1e}")
+    for scale_in, m, iters in ((10, 8, 20), (3, 16, 20), (1, 64, 6), (3, 32, 6)):
+        cond, fp32, tf32x3 = newton_schulz_vjp_errors(scale_in, m, iters)
+        print(f"NS VJP x{scale_in:<2} m={m:3d} NS {iters:2d} cond(K2) {cond:8.1e}: dA, dZ0 with fp32 products {fp32:.1e}, "
+              f"3xTF32 products {tf32x3:.1e}")
 
 
 if __name__ == "__main__":
