@@ -279,7 +279,7 @@ def test_public_function_autograd():
 
 def test_cuda_autograd_is_the_compiled_one():
     """On CUDA the autograd of hfab::nystrom_fwd is csrc/nystrom/nystrom_autograd.cpp's: no graph under no_grad (the
-    same output), gradients only for the inputs that want them, double backward raises like the Python one."""
+    same output), a gradient for q alone, double backward raises like the Python one."""
     assert "nystrom_autograd.cpp" in torch._C._dispatch_dump("hfab::nystrom_fwd")
     q, k, v = make_inputs(1, 2, 2, 70, 70, 64)
     with torch.no_grad():
