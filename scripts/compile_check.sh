@@ -78,7 +78,14 @@ for schema in filter(None, schemas):
 print("CUDA kernels registered for:", ", ".join(with_kernel) or "none")
 backends = sorted({p.parent.name for p in Path("csrc").glob("*/*.cu")} - {"common"})  # csrc/<backend>/*.cu
 missing = {f"hfab::{b}_{d}" for b in backends for d in ("fwd", "bwd")} - set(with_kernel)
-sys.exit(f"compile_check: no CUDA kernel registered for {sorted(missing)}" if missing else 0)
+no_autograd = [f"hfab::{b}_fwd" for b in backends
+               if not torch._C._dispatch_has_kernel_for_dispatch_key(f"hfab::{b}_fwd", "AutogradCUDA")]
+print("C++ autograd (AutogradCUDA) registered for:", ", ".join(sorted({f"hfab::{b}_fwd" for b in backends}
+                                                                      - set(no_autograd))) or "none")
+if missing:
+    sys.exit(f"compile_check: no CUDA kernel registered for {sorted(missing)}")
+sys.exit(f"compile_check: no C++ autograd (csrc/<backend>/<backend>_autograd.cpp) for {no_autograd}" if no_autograd
+         else 0)
 PYEOF
 
 echo "== sm_60 / sm_70 with CUDA 12 NVRTC + ptxas"

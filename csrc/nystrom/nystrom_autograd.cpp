@@ -1,11 +1,9 @@
-// Autograd of hfab::nystrom_fwd on CUDA tensors, in C++ (AutogradCUDA): the same contract as the Python
-// registration in hf_attention_backends/ops/nystrom/op.py (which serves the CPU reference and builds without this
-// extension): the forward's state is saved non-differentiable and handed to hfab::nystrom_bwd, no zero gradient is
-// materialised for it. Why C++: torch.library's Python wrapper cost ~0.74 ms of host time per fwd+bwd on the H200
-// machine, as much as the kernels' GPU time at the short shapes (NOTES.md "the host as the short shapes' bound").
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/autograd.h>
+// Autograd of hfab::nystrom_fwd on CUDA tensors (csrc/common/autograd.h says why in C++): the contract of
+// ops/nystrom/op.py's registration. The forward's state (its second output) is saved non-differentiable and handed
+// to hfab::nystrom_bwd; no zero gradient is materialised for it.
 #include <torch/library.h>
+
+#include "common/autograd.h"
 
 namespace hfab {
 namespace nystrom {
@@ -13,39 +11,26 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using OptTensor = std::optional<at::Tensor>;
-
-using FwdSig = std::tuple<at::Tensor, std::vector<at::Tensor>>(const at::Tensor&, const at::Tensor&,
-                                                               const at::Tensor&, const OptTensor&, const OptTensor&,
-                                                               c10::SymInt, c10::SymInt, double, double);
+using Forward = std::tuple<at::Tensor, std::vector<at::Tensor>>;
+using FwdSig = Forward(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
+                       c10::SymInt, c10::SymInt, double, double);
 using BwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
     c10::SymInt, c10::SymInt, double, double, at::TensorList);
 
-const c10::TypedOperatorHandle<FwdSig>& forward_op() {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hfab::nystrom_fwd", "").typed<FwdSig>();
-  return op;
-}
-
-const c10::TypedOperatorHandle<BwdSig>& backward_op() {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hfab::nystrom_bwd", "").typed<BwdSig>();
-  return op;
-}
-
 // hfab::nystrom_fwd's CUDA kernel, past this autograd kernel.
-std::tuple<at::Tensor, std::vector<at::Tensor>> forward_below_autograd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& conv_weight,
-    const OptTensor& key_padding_mask, int64_t num_landmarks, int64_t newton_iter, double kappa_star, double scale) {
+Forward forward_below_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const OptTensor& conv_weight, const OptTensor& key_padding_mask, int64_t num_landmarks,
+                               int64_t newton_iter, double kappa_star, double scale) {
+  static const auto op = typed_op<FwdSig>("hfab::nystrom_fwd");
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return forward_op().call(q, k, v, conv_weight, key_padding_mask, c10::SymInt(num_landmarks),
-                           c10::SymInt(newton_iter), kappa_star, scale);
+  return op.call(q, k, v, conv_weight, key_padding_mask, c10::SymInt(num_landmarks), c10::SymInt(newton_iter),
+                 kappa_star, scale);
 }
-
-OptTensor present(const at::Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
 
 class NystromFunction : public torch::autograd::Function<NystromFunction> {
  public:
-  // outputs: [out, state...] (state: nystrom_fwd's second output, non-differentiable)
+  // outputs: [out, state...]
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const OptTensor& conv_weight, const OptTensor& key_padding_mask, int64_t num_landmarks,
                                int64_t newton_iter, double kappa_star, double scale) {
@@ -53,7 +38,7 @@ class NystromFunction : public torch::autograd::Function<NystromFunction> {
                                                kappa_star, scale);
     ctx->mark_non_differentiable(state);
     ctx->set_materialize_grads(false);
-    variable_list saved{q, k, v, conv_weight.value_or(at::Tensor()), key_padding_mask.value_or(at::Tensor())};
+    variable_list saved{q, k, v, or_undefined(conv_weight), or_undefined(key_padding_mask)};
     saved.insert(saved.end(), state.begin(), state.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["num_landmarks"] = num_landmarks;
@@ -67,38 +52,34 @@ class NystromFunction : public torch::autograd::Function<NystromFunction> {
 
   // one gradient per forward argument: dq, dk, dv, dconv (undefined without conv_weight), none for the rest
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto op = typed_op<BwdSig>("hfab::nystrom_bwd");
     variable_list result(9);
-    const at::Tensor& dout = grads[0];
-    if (!dout.defined()) return result;  // out took no part in the loss
-    // create_graph=True: through nystrom_bwd's own autograd (which raises if its result is differentiated again)
-    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
-    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    if (!grads[0].defined()) return result;  // out took no part in the loss
+    const BackwardDispatch dispatch;
     const variable_list saved = ctx->get_saved_variables();
     const at::TensorList state(saved.data() + 5, saved.size() - 5);
-    const OptTensor conv_weight = present(saved[3]);
-    const auto [dq, dk, dv, dconv] = backward_op().call(
-        dout.contiguous(), saved[0], saved[1], saved[2], conv_weight, present(saved[4]),
-        c10::SymInt(ctx->saved_data["num_landmarks"].toInt()), c10::SymInt(ctx->saved_data["newton_iter"].toInt()),
-        ctx->saved_data["kappa_star"].toDouble(), ctx->saved_data["scale"].toDouble(), state);
+    const auto& hyper = ctx->saved_data;
+    const auto [dq, dk, dv, dconv] = op.call(
+        grads[0].contiguous(), saved[0], saved[1], saved[2], present(saved[3]), present(saved[4]),
+        c10::SymInt(hyper.at("num_landmarks").toInt()), c10::SymInt(hyper.at("newton_iter").toInt()),
+        hyper.at("kappa_star").toDouble(), hyper.at("scale").toDouble(), state);
     result[0] = dq;
     result[1] = dk;
     result[2] = dv;
-    if (conv_weight.has_value()) result[3] = dconv;
+    if (saved[3].defined()) result[3] = dconv;
     return result;
   }
 };
 
-std::tuple<at::Tensor, std::vector<at::Tensor>> nystrom_fwd_autograd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const OptTensor& conv_weight,
-    const OptTensor& key_padding_mask, int64_t num_landmarks, int64_t newton_iter, double kappa_star, double scale) {
-  const bool conv_requires_grad = conv_weight.has_value() && conv_weight->requires_grad();
-  if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad() ||
-                                       conv_requires_grad)) {  // no graph to record: no context, nothing saved
+Forward nystrom_fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const OptTensor& conv_weight, const OptTensor& key_padding_mask, int64_t num_landmarks,
+                             int64_t newton_iter, double kappa_star, double scale) {
+  const at::Tensor conv = or_undefined(conv_weight);
+  if (!records_graph({&q, &k, &v, &conv}))
     return forward_below_autograd(q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star,
                                   scale);
-  }
-  variable_list outputs = NystromFunction::apply(q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter,
-                                                 kappa_star, scale);
+  const variable_list outputs = NystromFunction::apply(q, k, v, conv_weight, key_padding_mask, num_landmarks,
+                                                       newton_iter, kappa_star, scale);
   return {outputs[0], std::vector<at::Tensor>(outputs.begin() + 1, outputs.end())};
 }
 

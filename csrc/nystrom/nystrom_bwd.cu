@@ -5,6 +5,7 @@
 // matrix, no fp32 copy of the inputs); the Newton–Schulz VJP is one kernel per (b, head) over the saved
 // iterates; the rest of the m x m VJP (K2's softmax, the normalisation, small reductions) is ATen fp32 on the
 // current stream. NOTES.md "Backward".
+#include <ATen/ops/_softmax_backward_data.h>
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/stack.h>
@@ -20,10 +21,26 @@ namespace {
 
 using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// dS = P (dP - rowsum(P dP)) for a row softmax P.
-at::Tensor softmax_vjp(const at::Tensor& p, const at::Tensor& dp) { return p.mul(dp.sub(p.mul(dp).sum(-1, true))); }
+// dS = P (dP - rowsum(P dP)) for a row softmax P (fp32), in one ATen op.
+at::Tensor softmax_vjp(const at::Tensor& p, const at::Tensor& dp) {
+  return at::_softmax_backward_data(dp, p, -1, at::kFloat);
+}
 
 at::Tensor tr(const at::Tensor& x) { return x.transpose(-1, -2); }
+
+// (B, H, R, C) as a batch of R x C matrices (a view: only the leading dims merge, transposed ones included).
+at::Tensor batched(const at::Tensor& x) { return x.reshape({-1, x.size(-2), x.size(-1)}); }
+
+// a b (+ c) for (B, H, ., .) operands, by one bmm (baddbmm): fewer host ops than matmul's broadcasting path.
+at::Tensor product(const at::Tensor& a, const at::Tensor& b) {
+  return batched(a).bmm(batched(b)).view({a.size(0), a.size(1), a.size(2), b.size(3)});
+}
+at::Tensor product_plus(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b) {
+  return batched(c).baddbmm(batched(a), batched(b)).view(c.sizes());
+}
+
+// Σ over the leading split dim of per-split partial sums (fixed order: deterministic); one split is a view.
+at::Tensor sum_splits(const at::Tensor& parts) { return parts.size(0) == 1 ? parts.select(0, 0) : parts.sum(0); }
 
 dim3 grid_of(int64_t x, int64_t y, int64_t z) {
   return dim3(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(z));
@@ -131,7 +148,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     launch_with_smem<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>, grid_of(a_splits, stiles, bh), bp,
                                                 stream);
   }
-  const at::Tensor dkeys = part_dkeys.sum(0), dvals = part_dvals.sum(0);  // fixed order: deterministic
+  const at::Tensor dkeys = sum_splits(part_dkeys), dvals = sum_splits(part_dvals);
   const at::Tensor dkeys_kv = ungroup(in, dkeys).contiguous(), dvals_kv = ungroup(in, dvals).contiguous();
   bp.dkeys_kv = dkeys_kv.data_ptr<float>();
   bp.dvals_kv = dvals_kv.data_ptr<float>();
@@ -143,11 +160,11 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
       return in.mask.defined() ? x.masked_fill(st.exact.view({B, 1, 1, 1}), 0.0) : x;
     };
     const at::Tensor dw = landmark_rows(dvals);
-    const at::Tensor dz = dw.matmul(tr(st.w0));
-    dw0 = tr(st.z).matmul(dw).contiguous();
+    const at::Tensor dz = product(dw, tr(st.w0));
+    dw0 = product(tr(st.z), dw).contiguous();
     rowdot = dw0.mul(st.w0).sum(-1).contiguous();  // Σ_j K3[l, j] (dW0 vᵀ)[l, j] = dW0[l] · W0[l]
     const at::Tensor ds2 = softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz, stream));
-    dkl = ungroup(in, landmark_rows(dkeys).add(tr(ds2).matmul(st.q_land))).contiguous();
+    dkl = ungroup(in, product_plus(landmark_rows(dkeys), tr(ds2), st.q_land)).contiguous();
     constexpr int k3_tc_bytes = tc::K3BwdSmem<D>::bytes;  // 41 / 73 / 137 KB at D 32 / 64 / 128
     const bool k3_tc = on_tensor_cores(k3_tc_bytes, device);
     const int64_t ltiles = div_up(m, k3_tc ? tc::kK3Rows : K3BwdTiles<D>::BL);
@@ -165,7 +182,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
       launch_with_smem<typename K3BwdTiles<D>::Smem>(nystrom_k3_bwd_kernel<T, D>, grid_of(b_splits, ltiles, bh), bp,
                                                      stream);
     }
-    dql = part_dql.sum(0).add(ds2.matmul(st.k_land_g)).contiguous();
+    dql = product_plus(sum_splits(part_dql), ds2, st.k_land_g).contiguous();
     bp.dkl = dkl.data_ptr<float>();
     bp.dql = dql.data_ptr<float>();
   }

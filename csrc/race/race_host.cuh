@@ -126,7 +126,7 @@ void launch_bytes(const char* op, Kernel kernel, dim3 grid, int threads, int byt
   TORCH_CHECK(bytes <= limit, op, " (CUDA kernel): P=", p.planes_per_table, ", L=", p.tables,
               " needs ", bytes, " bytes of shared memory per block, more than this GPU's ", limit,
               "; use fewer tables or planes");
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  opt_in_shared_memory(reinterpret_cast<const void*>(kernel), bytes);
   kernel<<<grid, threads, bytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

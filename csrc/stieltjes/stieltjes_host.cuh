@@ -88,8 +88,7 @@ void dispatch(const at::Tensor& q, double order, Fn&& fn) {
 // Launch kernel<<<grid, kThreads, smem>>>(p) on `stream`, raising the dynamic shared memory limit when needed.
 template <typename Kernel>
 void launch(Kernel kernel, dim3 grid, size_t smem, cudaStream_t stream, const Params& p) {
-  if (smem > 48 * 1024)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  opt_in_shared_memory(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
   kernel<<<grid, kThreads, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -107,14 +107,18 @@ def assert_compiled_matches_eager(fn, *leaves, backend: str) -> None:
 
 
 def assert_kernels_registered(backend: str) -> None:
-    """The compiled extension loaded and hfab::<backend>_fwd / _bwd dispatch to its CUDA kernels
-    (registered from csrc/<backend>/<backend>_{fwd,bwd}.cu, not the guard)."""
+    """The compiled extension loaded, hfab::<backend>_fwd / _bwd dispatch to its CUDA kernels (registered from
+    csrc/<backend>/<backend>_{fwd,bwd}.cu, not the guard) and the forward's CUDA autograd is the C++ one
+    (csrc/<backend>/<backend>_autograd.cpp, registered for AutogradCUDA)."""
     from hf_attention_backends import _ext
 
     assert _ext.extension_loaded(), f"hf_attention_backends._C failed to load: {_ext.extension_error()}"
     for op in (f"{backend}_fwd", f"{backend}_bwd"):
         table = torch._C._dispatch_dump(f"hfab::{op}")
         assert f"{op}.cu" in table, f"hfab::{op} CUDA kernel is not the compiled one:\n{table}"
+    table = torch._C._dispatch_dump(f"hfab::{backend}_fwd")
+    autograd = [line for line in table.splitlines() if line.startswith("AutogradCUDA")]
+    assert autograd and f"{backend}_autograd.cpp" in autograd[0], f"hfab::{backend}_fwd's CUDA autograd:\n{table}"
 
 
 def flat_tensors(x):
