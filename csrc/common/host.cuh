@@ -10,11 +10,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -147,6 +149,62 @@ inline void opt_in_shared_memory(const void* kernel, int bytes) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   have = bytes;
 }
+
+// Blocks of `kernel` the current device runs at once with `threads` threads and `bytes` of dynamic shared memory:
+// its SM count times the occupancy calculator's blocks per SM (at least one). Cached per kernel, device and shape.
+inline int64_t resident_blocks(const void* kernel, int threads, int bytes) {
+  opt_in_shared_memory(kernel, bytes);
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, int, int>, int64_t> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  int64_t& blocks = known[{kernel, device, threads, bytes}];
+  if (blocks == 0) {
+    int per_sm = 0, sms = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, bytes));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    blocks = static_cast<int64_t>(std::max(per_sm, 1)) * sms;
+  }
+  return blocks;
+}
+
+// Work on a pooled side stream, concurrent with what the caller enqueues next on its own stream: the side stream
+// first waits for everything enqueued on `main` so far; join() makes `main` wait for the side work. ATen ops inside
+// run() go to the side stream and allocate from its pool; a tensor the side work hands to `main` must be
+// handed_over() (the caching allocator then keeps its memory until `main` is done with it). Tensors of `main` the side
+// work reads must stay referenced until join().
+class SideStream {
+ public:
+  explicit SideStream(const c10::cuda::CUDAStream& main)
+      : main_(main), side_(c10::cuda::getStreamFromPool(false, main.device_index())) {
+    wait_for(side_, main_);
+  }
+  template <typename Work>
+  auto run(Work&& work) const {
+    const c10::cuda::CUDAStreamGuard guard(side_);
+    return work(side_.stream());
+  }
+  const at::Tensor& handed_over(const at::Tensor& t) const {
+    t.record_stream(main_.unwrap());
+    return t;
+  }
+  void join() const { wait_for(main_, side_); }
+
+ private:
+  // `waiter` waits for the work enqueued on `done` so far (an event per device and thread, re-recorded each time:
+  // a wait binds to the record before it).
+  static void wait_for(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& done) {
+    thread_local std::map<c10::DeviceIndex, cudaEvent_t> events;
+    cudaEvent_t& event = events[done.device_index()];
+    if (event == nullptr) C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(event, done.stream()));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(waiter.stream(), event, 0));
+  }
+
+  c10::cuda::CUDAStream main_;
+  c10::cuda::CUDAStream side_;
+};
 
 // Whether environment variable `name` is set to `value` (the kernels' A/B switches).
 inline bool env_is(const char* name, const char* value) {

@@ -52,6 +52,23 @@ void launch_with_smem(void (*kernel)(BwdParams), dim3 grid, const BwdParams& bp,
   launch_dynamic(kernel, grid, kThreads, static_cast<int>(sizeof(Smem)), bp, stream);
 }
 
+// A split-N backward kernel and its launch shape: the tensor-core kernel (dynamic shared memory) or its CUDA-core
+// twin (kThreads, a shared-memory struct).
+struct SplitKernel {
+  void (*kernel)(BwdParams);
+  int threads;
+  int bytes;
+
+  template <typename Smem>
+  static SplitKernel of(void (*kernel)(BwdParams)) {
+    return {kernel, kThreads, static_cast<int>(sizeof(Smem))};
+  }
+  int64_t resident() const { return resident_blocks(reinterpret_cast<const void*>(kernel), threads, bytes); }
+  void launch(dim3 grid, const BwdParams& bp, cudaStream_t stream) const {
+    launch_dynamic(kernel, grid, threads, bytes, bp, stream);
+  }
+};
+
 // dA of NS(A) given dZ_iters, by nystrom_ns_bwd_kernel: back through every step, then the ‖A‖₁‖A‖∞ normalisation
 // of Z₀ = Aᵀ / s (amax ties shared evenly, as torch does).
 at::Tensor ns_backward(const NsSaved& saved, const at::Tensor& gz, cudaStream_t stream) {
@@ -132,22 +149,18 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   // the buffer gradients on tensor cores where the GPU has the shared memory they need (73 KB at D 64, 103 at 128)
-  constexpr int k1_tc_bytes = tc::K1Smem<D>::bytes;
-  const bool k1_tc = on_tensor_cores(k1_tc_bytes, device);
+  const bool k1_tc = on_tensor_cores(tc::K1Smem<D>::bytes, device);
+  const SplitKernel k1 = k1_tc ? SplitKernel{tc::nystrom_k1_tc_bwd_kernel<T, D>, tc::kK1Threads, tc::K1Smem<D>::bytes}
+                               : SplitKernel::of<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>);
   const int64_t stiles = div_up(S, k1_tc ? tc::kK1Slots : K1Tiles<D>::BL);
-  const auto [a_splits, a_chunk] = split_plan(N, k1_tc ? tc::K1Smem<D>::kQueries : K1Tiles<D>::BQ, stiles * bh);
+  const auto [a_splits, a_chunk] =
+      split_plan(N, k1_tc ? tc::K1Smem<D>::kQueries : K1Tiles<D>::BQ, stiles * bh, k1.resident());
   const at::Tensor part_dkeys = at::empty({a_splits, B, Hq, S, in.d}, f32);
   const at::Tensor part_dvals = at::empty({a_splits, B, Hq, S, in.d}, f32);
   bp.a_chunk = static_cast<int>(a_chunk);
   bp.part_dkeys = part_dkeys.data_ptr<float>();
   bp.part_dvals = part_dvals.data_ptr<float>();
-  if (k1_tc) {
-    launch_dynamic(tc::nystrom_k1_tc_bwd_kernel<T, D>, grid_of(a_splits, stiles, bh), tc::kK1Threads, k1_tc_bytes, bp,
-                   stream);
-  } else {
-    launch_with_smem<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>, grid_of(a_splits, stiles, bh), bp,
-                                                stream);
-  }
+  k1.launch(grid_of(a_splits, stiles, bh), bp, stream);
   const at::Tensor dkeys = sum_splits(part_dkeys), dvals = sum_splits(part_dvals);
   const at::Tensor dkeys_kv = ungroup(in, dkeys).contiguous(), dvals_kv = ungroup(in, dvals).contiguous();
   bp.dkeys_kv = dkeys_kv.data_ptr<float>();
@@ -163,25 +176,27 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     const at::Tensor dz = product(dw, tr(st.w0));
     dw0 = product(tr(st.z), dw).contiguous();
     rowdot = dw0.mul(st.w0).sum(-1).contiguous();  // Σ_j K3[l, j] (dW0 vᵀ)[l, j] = dW0[l] · W0[l]
-    const at::Tensor ds2 = softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz, stream));
-    dkl = ungroup(in, product_plus(landmark_rows(dkeys), tr(ds2), st.q_land)).contiguous();
+    // the Newton–Schulz VJP (one block per head: half the SMs at B4 H16) on a side stream, beside K3's gradients
+    const SideStream side(c10::cuda::getCurrentCUDAStream(device.index()));
+    const at::Tensor ds2 = side.handed_over(side.run([&](cudaStream_t ns_stream) {
+      return softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz, ns_stream));
+    }));
     constexpr int k3_tc_bytes = tc::K3BwdSmem<D>::bytes;  // 41 / 73 / 137 KB at D 32 / 64 / 128
     const bool k3_tc = on_tensor_cores(k3_tc_bytes, device);
+    const SplitKernel k3 = k3_tc ? SplitKernel{tc::nystrom_k3_tc_bwd_kernel<T, D>, tc::kK3Threads, k3_tc_bytes}
+                                 : SplitKernel::of<typename K3BwdTiles<D>::Smem>(nystrom_k3_bwd_kernel<T, D>);
     const int64_t ltiles = div_up(m, k3_tc ? tc::kK3Rows : K3BwdTiles<D>::BL);
-    const auto [b_splits, b_chunk] = split_plan(N, k3_tc ? tc::kK3Keys : K3BwdTiles<D>::BK, ltiles * bh);
+    const auto [b_splits, b_chunk] =
+        split_plan(N, k3_tc ? tc::kK3Keys : K3BwdTiles<D>::BK, ltiles * bh, k3.resident());
     part_dql = at::empty({b_splits, B, Hq, m, in.d}, f32);
     bp.dw0 = dw0.data_ptr<float>();
     bp.lse3 = lse3.data_ptr<float>();
     bp.rowdot = rowdot.data_ptr<float>();
     bp.b_chunk = static_cast<int>(b_chunk);
     bp.part_dql = part_dql.data_ptr<float>();
-    if (k3_tc) {
-      launch_dynamic(tc::nystrom_k3_tc_bwd_kernel<T, D>, grid_of(b_splits, ltiles, bh), tc::kK3Threads, k3_tc_bytes,
-                     bp, stream);
-    } else {
-      launch_with_smem<typename K3BwdTiles<D>::Smem>(nystrom_k3_bwd_kernel<T, D>, grid_of(b_splits, ltiles, bh), bp,
-                                                     stream);
-    }
+    k3.launch(grid_of(b_splits, ltiles, bh), bp, stream);
+    side.join();
+    dkl = ungroup(in, product_plus(landmark_rows(dkeys), tr(ds2), st.q_land)).contiguous();
     dql = product_plus(sum_splits(part_dql), ds2, st.k_land_g).contiguous();
     bp.dkl = dkl.data_ptr<float>();
     bp.dql = dql.data_ptr<float>();
@@ -236,7 +251,7 @@ Grads nystrom_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Te
     at::Tensor lse3;
     if (state.empty()) {
       st = landmark_state<T, D>(in, stream);
-      finish_state<D>(in, st, st.nystrom ? k3_values<T, D>(in, stream, &lse3) : at::Tensor(), true, stream);
+      finish_state<D>(in, st, [&] { return k3_values<T, D>(in, stream, &lse3); }, true, stream);
     } else {
       unpack_state(kOp, in, st, lse3, state);
     }

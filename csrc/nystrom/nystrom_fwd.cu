@@ -25,7 +25,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> nystrom_fwd_cuda(
     constexpr int D = decltype(dim)::value;
     State st = landmark_state<T, D>(in, stream);
     at::Tensor lse3;
-    finish_state<D>(in, st, st.nystrom ? k3_values<T, D>(in, stream, &lse3) : at::Tensor(), true, stream);
+    finish_state<D>(in, st, [&] { return k3_values<T, D>(in, stream, &lse3); }, true, stream);
     in.p.out = out.data_ptr();
     if (buffer_attention_on_tensor_cores<D>(in, q.device())) {
       launch_query_tiles(tc::nystrom_out_tc_fwd_kernel<T, D>, in.p, tc::OutSmem<D>::bytes(in.p.slots), in, q.device(),

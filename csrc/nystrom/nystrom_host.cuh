@@ -28,7 +28,6 @@ namespace nystrom {
 
 constexpr int64_t kMaxLandmarks = 128;
 constexpr int64_t kMaxNewtonIter = 20;
-constexpr int64_t kTargetBlocks = 264;  // K3 splits: about two blocks per SM of an H100/H200
 constexpr int64_t kMaxSplits = 1024;
 
 // Validated inputs; keeps the (possibly copied) tensors alive.
@@ -167,28 +166,35 @@ void launch_dynamic(void (*kernel)(Arg), dim3 grid, int threads, int bytes, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int TM, int D>
-void launch_inverse(const InvParams& ip, int64_t blocks, cudaStream_t stream) {
-  launch_dynamic(nystrom_inverse_fwd_kernel<TM, D>, dim3(static_cast<unsigned>(blocks)), kThreads,
-                 inv_smem_bytes<TM>(), ip, stream);
+// launch(TM) with the m x m kernels' tile count for m landmarks: the least TM of 2, 4, 8 with m <= 16 TM.
+template <typename Launch>
+void by_landmarks(int64_t m, Launch launch) {
+  if (m <= 32) launch(std::integral_constant<int, 2>{});
+  else if (m <= 64) launch(std::integral_constant<int, 4>{});
+  else launch(std::integral_constant<int, 8>{});
 }
 
-// K2, Z (reference.k2_inverse) and W = Z W0 by nystrom_inverse_fwd_kernel, one block per (b, q head); with
-// `save` also the NS iterates, A, ‖A‖₁‖A‖∞ and Z for the backward. Returns W (B, Hq, m, D).
+// The inverse kernel's parameters and the buffers they point to (kept alive until the kernels have run).
+struct InverseStage {
+  InvParams ip{};
+  at::Tensor scratch, zs;
+};
+
+// K2 and Z (reference.k2_inverse) by nystrom_inverse_fwd_kernel, one block per (b, q head), enqueued on `side`: it
+// needs the landmarks only, so it runs beside K3's kernels. With `save` also the NS iterates, A and ‖A‖₁‖A‖∞ for
+// the backward. Every buffer is allocated on the caller's stream, before the side stream's work.
 template <int D>
-at::Tensor inverse_stage(const Inputs& in, State& st, const at::Tensor& w0_in, bool save, cudaStream_t stream) {
+InverseStage inverse_stage(const Inputs& in, State& st, bool save, const SideStream& side) {
   const auto f32 = in.q.options().dtype(at::kFloat);
   const int64_t B = in.batch, H = in.hq, m = in.m, bh = B * H;
-  const at::Tensor w0 = w0_in.contiguous();
+  InverseStage stage;
+  InvParams& ip = stage.ip;
   st.k2 = at::empty({B, H, m, m}, f32);
-  at::Tensor w = at::empty({B, H, m, in.d}, f32);
-  at::Tensor scratch, zs;
-  InvParams ip{};
+  st.z = at::empty({B, H, m, m}, f32);
   ip.q_land = st.q_land.data_ptr<float>();
   ip.k_land = st.k_land.data_ptr<float>();
-  ip.w0 = w0.data_ptr<float>();
   ip.k2 = st.k2.data_ptr<float>();
-  ip.w = w.data_ptr<float>();
+  ip.z = st.z.data_ptr<float>();
   ip.hq = static_cast<int>(H);
   ip.groups = static_cast<int>(in.groups);
   ip.m = static_cast<int>(m);
@@ -196,27 +202,42 @@ at::Tensor inverse_stage(const Inputs& in, State& st, const at::Tensor& w0_in, b
   ip.ridge = in.kappa > 0.0;
   ip.kappa = static_cast<float>(in.kappa);
   if (m > 64) {
-    scratch = at::empty({bh, 2, 128, 128}, f32);
-    ip.scratch = scratch.data_ptr<float>();
+    stage.scratch = at::empty({bh, 2, 128, 128}, f32);
+    ip.scratch = stage.scratch.data_ptr<float>();
   }
   if (save) {
-    zs = at::empty({B, H, in.iters + 1, m, m}, f32);
+    stage.zs = at::empty({B, H, in.iters + 1, m, m}, f32);
     st.ns.a = at::empty({B, H, m, m}, f32);
-    const at::Tensor s = at::empty({B, H, 1, 1}, f32);
-    st.ns.s = s;
-    st.z = at::empty({B, H, m, m}, f32);
-    ip.zs = zs.data_ptr<float>();
+    st.ns.s = at::empty({B, H, 1, 1}, f32);
+    ip.zs = stage.zs.data_ptr<float>();
     ip.a = st.ns.a.data_ptr<float>();
-    ip.s = s.data_ptr<float>();
-    ip.z = st.z.data_ptr<float>();
-  }
-  if (m <= 32) launch_inverse<2, D>(ip, bh, stream);
-  else if (m <= 64) launch_inverse<4, D>(ip, bh, stream);
-  else launch_inverse<8, D>(ip, bh, stream);
-  if (save) {
-    st.ns.zs_all = zs;
+    ip.s = st.ns.s.data_ptr<float>();
+    st.ns.zs_all = stage.zs;
     if (in.kappa > 0.0) st.ns.k2_input = st.k2;
   }
+  side.run([&](cudaStream_t side_stream) {
+    by_landmarks(m, [&](auto tm) {
+      constexpr int TM = decltype(tm)::value;
+      launch_dynamic(nystrom_inverse_fwd_kernel<TM, D>, dim3(static_cast<unsigned>(bh)), kThreads,
+                     inv_smem_bytes<TM>(), ip, side_stream);
+    });
+  });
+  return stage;
+}
+
+// W = Z W0 (B, Hq, m, D) by nystrom_w_fwd_kernel, after the inverse stage's Z.
+template <int D>
+at::Tensor z_times_w0(const Inputs& in, InverseStage& stage, const at::Tensor& w0_in, cudaStream_t stream) {
+  const at::Tensor w0 = w0_in.contiguous();
+  at::Tensor w = at::empty({in.batch, in.hq, in.m, in.d}, in.q.options().dtype(at::kFloat));
+  InvParams& ip = stage.ip;
+  ip.w0 = w0.data_ptr<float>();
+  ip.w = w.data_ptr<float>();
+  by_landmarks(in.m, [&](auto tm) {
+    constexpr int TM = decltype(tm)::value;
+    launch_dynamic(nystrom_w_fwd_kernel<TM, D>, dim3(static_cast<unsigned>(in.batch * in.hq)), kThreads,
+                   w_smem_bytes<TM, D>(), ip, stream);
+  });
   return w;
 }
 
@@ -254,12 +275,20 @@ State landmark_state(Inputs& in, cudaStream_t stream) {
   return st;
 }
 
-// (splits, chunk) of a split-N kernel over n rows in tiles of `tile`: about kTargetBlocks blocks in all when
-// `other` blocks share each split; chunk is a multiple of tile, every split non-empty.
-inline std::pair<int64_t, int64_t> split_plan(int64_t n, int64_t tile, int64_t other) {
+// (splits, chunk) of a split-N kernel over n rows in tiles of `tile`, `other` blocks sharing each split, `resident`
+// blocks held by the GPU at once (resident_blocks): the fewest splits with the least waves per split,
+// ceil(splits · other / resident) / splits, among at most about two waves of blocks (a partial last wave costs a
+// whole one: 5 splits x 64 heads on 264 resident blocks run 2 waves of N / 5, 4 splits one wave of N / 4); chunk is
+// a multiple of tile, every split non-empty.
+inline std::pair<int64_t, int64_t> split_plan(int64_t n, int64_t tile, int64_t other, int64_t resident) {
   const int64_t tiles = div_up(n, tile);
-  const int64_t splits = std::min({std::max<int64_t>(div_up(kTargetBlocks, other), 1), tiles, kMaxSplits});
-  const int64_t chunk = div_up(tiles, splits) * tile;
+  const int64_t most = std::min({std::max<int64_t>(2 * resident / other, 1), tiles, kMaxSplits});
+  const auto waves = [&](int64_t splits) { return div_up(splits * other, resident); };
+  int64_t best = 1;
+  for (int64_t splits = 2; splits <= most; ++splits) {
+    if (waves(splits) * best < waves(best) * splits) best = splits;
+  }
+  const int64_t chunk = div_up(tiles, best) * tile;
   return {div_up(n, chunk), chunk};
 }
 
@@ -284,13 +313,15 @@ bool buffer_attention_on_tensor_cores(const Inputs& in, const c10::Device& devic
 }
 
 // Launch a tensor-core kernel over query tiles (tc::attend_tiles, the dq kernel) with `bytes` of dynamic shared
-// memory: blocks stage their head's buffer once and take every gridDim.x-th query tile, about 4 blocks per SM in all.
+// memory: blocks stage their head's buffer once and take every gridDim.x-th query tile, about 4 blocks per SM in all,
+// as few blocks per head as keep each block's tile count (32 tiles: 8 blocks of 4, not 9 blocks of 3 or 4).
 template <typename Arg>
 void launch_query_tiles(void (*kernel)(Arg), const Arg& arg, int bytes, const Inputs& in, const c10::Device& device,
                         cudaStream_t stream) {
   const int64_t tiles = div_up(in.n, tc::kBQ);
-  const int64_t per_head = std::min(tiles, std::max<int64_t>(1, div_up(4 * multiprocessor_count(device),
-                                                                       in.batch * in.hq)));
+  const int64_t wanted = std::min(tiles, std::max<int64_t>(1, div_up(4 * multiprocessor_count(device),
+                                                                     in.batch * in.hq)));
+  const int64_t per_head = div_up(tiles, div_up(tiles, wanted));
   const dim3 grid(static_cast<unsigned>(per_head), static_cast<unsigned>(in.hq), static_cast<unsigned>(in.batch));
   launch_dynamic(kernel, grid, tc::kThreads, bytes, arg, stream);
 }
@@ -304,7 +335,10 @@ at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr)
   const bool tensor_cores = tensor_cores_enabled();
   const int BL = tensor_cores ? tc::kK3Rows : K3Tiles<D>::BL, BK = tensor_cores ? tc::kK3Keys : K3Tiles<D>::BK;
   const int64_t bh = in.batch * in.hq, ltiles = div_up(in.m, BL);
-  const auto [splits, chunk] = split_plan(in.n, BK, ltiles * bh);
+  const auto kernel = tensor_cores ? tc::nystrom_k3_tc_fwd_kernel<T, D> : nystrom_k3_fwd_kernel<T, D>;
+  const int threads = tensor_cores ? tc::kK3Threads : kThreads, bytes = tensor_cores ? tc::K3Smem<D>::bytes : 0;
+  const auto [splits, chunk] =
+      split_plan(in.n, BK, ltiles * bh, resident_blocks(reinterpret_cast<const void*>(kernel), threads, bytes));
   const auto f32 = in.q.options().dtype(at::kFloat);
   at::Tensor part_max = at::empty({splits, bh, in.m}, f32);
   at::Tensor part_sum = at::empty({splits, bh, in.m}, f32);
@@ -315,12 +349,7 @@ at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr)
   p.part_sum = part_sum.data_ptr<float>();
   p.part_acc = part_acc.data_ptr<float>();
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(ltiles), static_cast<unsigned>(bh));
-  if (tensor_cores) {
-    launch_dynamic(tc::nystrom_k3_tc_fwd_kernel<T, D>, grid, tc::kK3Threads, tc::K3Smem<D>::bytes, p, stream);
-  } else {
-    nystrom_k3_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  launch_dynamic(kernel, grid, threads, bytes, p, stream);
   at::Tensor w0 = at::empty({in.batch, in.hq, in.m, in.d}, f32);
   if (lse != nullptr) *lse = at::empty({in.batch, in.hq, in.m}, f32);
   const int64_t rows = bh * in.m;
@@ -340,9 +369,10 @@ inline void bind_buffers(Inputs& in, const State& st) {
 }
 
 // K2, Z, W = Z W0 and the output kernel's key/value buffers (landmarks where n > m, real tokens where n <= m);
-// `save`: keep what the backward needs (st.k2, st.z, st.ns).
-template <int D>
-void finish_state(Inputs& in, State& st, const at::Tensor& w0, bool save, cudaStream_t stream) {
+// `w0_of()` enqueues K3's kernels on `stream` and returns W0 = K3 v (called where n > m only, while the inverse
+// kernel runs on a side stream); `save`: keep what the backward needs (st.k2, st.z, st.ns).
+template <int D, typename W0Of>
+void finish_state(Inputs& in, State& st, W0Of w0_of, bool save, cudaStream_t stream) {
   const auto i32 = in.q.options().dtype(at::kInt);
   const auto i64 = in.q.options().dtype(at::kLong);
   const bool need_exact = !st.nystrom || in.mask.defined();
@@ -362,9 +392,12 @@ void finish_state(Inputs& in, State& st, const at::Tensor& w0, bool save, cudaSt
     st.vals = vg.contiguous();
     st.nvalid = nvalid_exact.contiguous();
   } else {
-    st.w0 = w0;
     st.k_land_g = group(in, st.k_land);
-    const at::Tensor w = inverse_stage<D>(in, st, w0, save, stream);
+    const SideStream side(c10::cuda::getCurrentCUDAStream(in.q.device().index()));
+    InverseStage inverse = inverse_stage<D>(in, st, save, side);
+    st.w0 = w0_of();
+    side.join();
+    const at::Tensor w = z_times_w0<D>(in, inverse, st.w0, stream);
     if (in.mask.defined()) {
       st.exact = st.n_real.le(in.m);
       const at::Tensor ex = st.exact.view({in.batch, 1, 1, 1});

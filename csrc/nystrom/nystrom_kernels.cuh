@@ -18,7 +18,8 @@
 //   nystrom_out_fwd_kernel        one block per (query block, q head, batch): online softmax over the key
 //                                 buffer, times the value buffer, plus the conv residual, in q.dtype
 //   nystrom_inverse_fwd_kernel    one block per (batch, q head): K2, Newton–Schulz (all iterates in shared
-//                                 memory, optionally saved for the backward), W = Z W0
+//                                 memory, optionally saved for the backward)
+//   nystrom_w_fwd_kernel          one block per (batch, q head): W = Z W0
 #pragma once
 
 #include "common/mma.cuh"
@@ -348,19 +349,19 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_out_fwd_kernel(const Para
 }
 
 // The m x m stage of one (batch, q head) per block: K2 = softmax(Q̃ K̃ᵀ), Z = NS(K2) or NS(K2ᵀK2 + λI) K2ᵀ
-// (reference.k2_inverse), W = Z W0. Matrices padded to MP = 16 TM rows/cols (padding never enters the real
-// block: every product sums over k < m only). 256 threads as 16 x 16, thread (ty, tx) owns rows ty + 16 i and
+// (reference.k2_inverse); then W = Z W0 (nystrom_w_fwd_kernel). Matrices padded to MP = 16 TM rows/cols (padding
+// never enters the real block: every product sums over k < m only). 256 threads as 16 x 16, thread (ty, tx) owns rows ty + 16 i and
 // columns tx + 16 j (conflict-free shared reads). Buffers M (= A Z), T in dynamic shared memory; A and Z too
 // for MP <= 64, in global scratch for MP = 128 (3 x 64 KB would not fit an sm_80 block).
 struct InvParams {
   const float* q_land;  // (B, Hq, m, D) fp32 contiguous
   const float* k_land;  // (B, Hkv, m, D)
-  const float* w0;      // (B, Hq, m, D)
+  const float* w0;      // (B, Hq, m, D): K3 v (nystrom_w_fwd_kernel)
   float* k2;            // (B, Hq, m, m) out (also read back when kappa > 0)
-  float* w;             // (B, Hq, m, D) out: Z W0
+  float* w;             // (B, Hq, m, D) out: Z W0 (nystrom_w_fwd_kernel)
   float* scratch;       // MP = 128: (B Hq, 2, MP, MP) for A and Z; else unused
   float* zs;            // optional (B, Hq, iters + 1, m, m): the iterates Z_0 .. Z_iters of NS
-  float* z;             // optional (B, Hq, m, m): the final Z (after the K2ᵀ factor when kappa > 0)
+  float* z;             // (B, Hq, m, m) out: the final Z (after the K2ᵀ factor when kappa > 0)
   float* a;             // optional (B, Hq, m, m): the matrix NS inverts
   float* s;             // optional (B Hq): ‖A‖₁‖A‖∞
   int hq, groups, m, iters;
@@ -664,22 +665,26 @@ __global__ void __launch_bounds__(kThreads, TM == 8 ? 1 : 2) nystrom_inverse_fwd
       for (int j = 0; j < TM; ++j) z[(ty + 16 * i) * LD + tx + 16 * j] = acc[i][j];
     __syncthreads();
   }
-  if (p.z != nullptr) {
-    for (int e = threadIdx.x; e < m * m; e += kThreads) p.z[bh * mm2 + e] = z[(e / m) * LD + e % m];
-  }
+  for (int e = threadIdx.x; e < m * m; e += kThreads) p.z[bh * mm2 + e] = z[(e / m) * LD + e % m];
+}
 
-  // W = Z W0 (m x D), KC output columns at a time with W0's columns staged in mz (free after Newton–Schulz)
+// W = Z W0 (m x D) of head bh, KC = min(MP, D) output columns at a time with W0's columns staged in `stage` (MP x KC
+// floats); zat(r, k) reads Z[r][k] (0 for padding rows r >= m). Starts with a barrier.
+template <int TM, int D, typename ZAt>
+__device__ __forceinline__ void z_times_w0(const InvParams& p, ZAt zat, float* stage, int bh) {
+  constexpr int MP = 16 * TM, KC = MP < D ? MP : D;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, m = p.m;
   const float* w0 = p.w0 + (long long)bh * m * D;
   float* w = p.w + (long long)bh * m * D;
   for (int c0 = 0; c0 < D; c0 += KC) {
-    __syncthreads();  // the previous chunk's readers of mz are done
+    __syncthreads();  // the previous chunk's readers of `stage` are done (first chunk: the caller's writes)
     for (int e = threadIdx.x; e < MP * KC; e += kThreads) {
       const int r = e / KC, c = e % KC;
-      mz[e] = r < m ? __ldg(w0 + r * D + c0 + c) : 0.f;
+      stage[e] = r < m ? __ldg(w0 + r * D + c0 + c) : 0.f;
     }
     __syncthreads();
     float accw[TM][KC / 16];
-    inv_product(accw, m, at(z), [&](int k, int c) { return mz[k * KC + c]; }, ty, tx);
+    inv_product(accw, m, zat, [&](int k, int c) { return stage[k * KC + c]; }, ty, tx);
 #pragma unroll
     for (int i = 0; i < TM; ++i) {
       const int r = ty + 16 * i;
@@ -687,6 +692,35 @@ __global__ void __launch_bounds__(kThreads, TM == 8 ? 1 : 2) nystrom_inverse_fwd
 #pragma unroll
       for (int j = 0; j < KC / 16; ++j) w[r * D + c0 + tx + 16 * j] = accw[i][j];
     }
+  }
+}
+
+// Dynamic shared memory of nystrom_w_fwd_kernel<TM, D>: W0's column chunk, and Z for m <= 64.
+template <int TM, int D>
+constexpr int w_smem_bytes() {
+  constexpr int MP = 16 * TM, KC = MP < D ? MP : D;
+  return (MP * KC + (TM == 8 ? 0 : MP * inv_ld<TM>())) * static_cast<int>(sizeof(float));
+}
+
+// Grid (B Hq), 256 threads, w_smem_bytes<TM, D>(): W = Z W0 from nystrom_inverse_fwd_kernel's Z (p.z) and K3's W0
+// (p.w0), a launch of its own so that the inverse kernel, which needs only the landmarks, runs beside K3's kernels.
+// Z staged in shared memory for m <= 64, read through L1 for m > 64.
+template <int TM, int D>
+__global__ void __launch_bounds__(kThreads) nystrom_w_fwd_kernel(const InvParams p) {
+  constexpr int MP = 16 * TM, LD = inv_ld<TM>(), KC = MP < D ? MP : D;
+  extern __shared__ float4 w_smem[];
+  float* const stage = reinterpret_cast<float*>(w_smem);
+  const int bh = blockIdx.x, m = p.m;
+  const float* zg = p.z + (long long)bh * m * m;
+  if constexpr (TM == 8) {
+    z_times_w0<TM, D>(p, [zg, m](int r, int k) { return r < m ? __ldg(zg + r * m + k) : 0.f; }, stage, bh);
+  } else {
+    float* const z = stage + MP * KC;
+    for (int e = threadIdx.x; e < MP * LD; e += kThreads) {
+      const int r = e / LD, c = e % LD;
+      z[e] = r < m && c < m ? __ldg(zg + r * m + c) : 0.f;
+    }
+    z_times_w0<TM, D>(p, [z](int r, int k) { return z[r * LD + k]; }, stage, bh);
   }
 }
 

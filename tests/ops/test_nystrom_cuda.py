@@ -313,6 +313,32 @@ def test_launches_on_the_current_stream_and_in_cuda_graphs():
     assert torch.equal(replay_in_cuda_graph(bwd), bwd())
 
 
+def test_side_stream_work_waits_for_the_callers_stream():
+    """The inverse kernel (forward) and the Newton–Schulz VJP (backward) run on a side stream beside K3's kernels:
+    with the caller's stream held up by a sleep before the inputs are written, forward and backward still equal a
+    plain run bit for bit (a side stream that did not wait would read landmarks, Z or dZ not yet written)."""
+    q, k, v = make_inputs(4, 16, 4, 4097, 4097, 64, seed=9)
+    mask = make_padding(4, 4097, min_real=3000, seed=9).to(DEV)
+    conv = make_conv(16, 3, q.dtype)
+    dout = torch.randn_like(q)
+
+    def run(q_in):
+        out, state = torch.ops.hfab.nystrom_fwd(q_in, k, v, conv, mask, 64, 6, 0.0, 0.125)
+        return [out, *torch.ops.hfab.nystrom_bwd(dout, q_in, k, v, conv, mask, 64, 6, 0.0, 0.125, state)]
+
+    want = run(2 * q)
+    run(q)  # the freed blocks a premature read would find hold other values
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(100_000_000)  # ~50 ms of the caller's stream before q_late exists
+        q_late = 2 * q
+        got = run(q_late)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dconv"), got, want):
+        assert torch.equal(a, b), name
+
+
 def test_opcheck():
     q, k, v = (t.requires_grad_(True) for t in make_inputs(2, 4, 2, 65, 65, 64))
     conv = make_conv(4, 3, q.dtype).requires_grad_(True)
