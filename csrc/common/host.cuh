@@ -176,8 +176,7 @@ inline int64_t resident_blocks(const void* kernel, int threads, int bytes) {
 // work reads must stay referenced until join().
 class SideStream {
  public:
-  explicit SideStream(const c10::cuda::CUDAStream& main)
-      : main_(main), side_(c10::cuda::getStreamFromPool(false, main.device_index())) {
+  explicit SideStream(const c10::cuda::CUDAStream& main) : main_(main), side_(side_stream(main.device_index())) {
     wait_for(side_, main_);
   }
   template <typename Work>
@@ -200,6 +199,17 @@ class SideStream {
     if (event == nullptr) C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     C10_CUDA_CHECK(cudaEventRecord(event, done.stream()));
     C10_CUDA_CHECK(cudaStreamWaitEvent(waiter.stream(), event, 0));
+  }
+
+  // One pooled stream per device for every call: the caching allocator keeps its blocks per stream, so a new pool
+  // stream per call (they rotate through 32) would cudaMalloc afresh for its first 32 calls.
+  static c10::cuda::CUDAStream side_stream(c10::DeviceIndex device) {
+    static std::mutex mutex;
+    static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+    const std::lock_guard<std::mutex> lock(mutex);
+    auto it = streams.find(device);
+    if (it == streams.end()) it = streams.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
+    return it->second;
   }
 
   c10::cuda::CUDAStream main_;
