@@ -137,7 +137,7 @@ __device__ __forceinline__ void halves_product(float (&acc)[D / 8][4], const flo
 
 // Grid and shared memory as nystrom_out_tc_fwd_kernel. lse1 = +inf and Δ1 = 0 for a row with no valid slot.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_stats_tc_bwd_kernel(const BwdParams bp) {
+__global__ void __launch_bounds__(kThreads, 2) nystrom_stats_tc_bwd_kernel(const BwdParams bp) {
   const Params& p = bp.p;
   const long long bh = (long long)blockIdx.z * p.hq + blockIdx.y;
   const T* dout = static_cast<const T*>(bp.dout) + bh * p.n * D;

@@ -3,9 +3,9 @@
 //
 // nystrom_out_tc_fwd_kernel: grid (blocks per head, Hq, B), 256 threads = 8 warps, each warp owns 16 rows of a
 // 128-row query tile. A block stages its head's buffer once in shared memory and then takes query tiles
-// blockIdx.x, blockIdx.x + gridDim.x, ...: the query tile's A fragments go to registers, after which the next tile's
-// rows load (cp.async) into the same shared tile while this one computes. Per 64-row chunk of the buffer, an online
-// softmax step (exact for slots <= 64: one chunk).
+// blockIdx.x, blockIdx.x + gridDim.x, ...: each tile loads (cp.async) into one shared tile, from which the warps read
+// their A fragments at every chunk (at most 128 registers: two blocks per SM overlap one's loads with the other's
+// products). Per 32-row chunk of the buffer, an online softmax step.
 // Precision: S = q keysᵀ with q exact in T and keys as a T high part plus a T residual (two mma, ~2^-16 relative
 // for bf16); P values with P and the fp32 values each in two tf32 halves (three m16n8k8 mma: fp32-accurate), because
 // W = Z (K3 v) can exceed |out| 50-fold (an ill-conditioned K2) and exceed fp16's range.
@@ -21,7 +21,7 @@ namespace nystrom {
 namespace tc {
 
 constexpr int kWarps = 8, kThreads = 32 * kWarps, kBQ = 16 * kWarps;
-constexpr int kChunk = 64;  // buffer rows per online-softmax step
+constexpr int kChunk = 32;  // buffer rows per online-softmax step (32: the scores take 16 registers, not 32)
 
 // Dynamic shared memory for a buffer of `slots` rows (padded to 16):
 //   khi, klo [rows][D + 8] T     keys as a 16-bit high part and residual (ldmatrix rows 16-byte aligned)
@@ -72,10 +72,11 @@ __device__ __forceinline__ void stage_buffer(const float* keys, const float* val
   }
 }
 
-// s (16 x kChunk, C layout) = this warp's query rows (fragments qa) times keys rows [c0, c0 + kChunk)ᵀ, high part
-// plus residual; 16-row n-tile pairs at or past nvalid are skipped (left 0).
+// s (16 x kChunk, C layout) = this warp's 16 query rows of the staged tile qs ([kBQ][D + 8], A fragments by ldmatrix
+// from row `arow`, column `acol`) times keys rows [c0, c0 + kChunk)ᵀ, high part plus residual; 16-row n-tile pairs at
+// or past nvalid are skipped (left 0).
 template <typename T, int D>
-__device__ __forceinline__ void chunk_scores(float (&s)[kChunk / 8][4], const uint32_t (&qa)[D / 16][4],
+__device__ __forceinline__ void chunk_scores(float (&s)[kChunk / 8][4], const uint16_t* qs, int arow, int acol,
                                              const uint16_t* khi, const uint16_t* klo, int c0, int nvalid, int lane) {
   constexpr int kKey = OutSmem<D>::kKey;
   // matrices: (n-tile 2jj, k 0-7), (2jj, k 8-15), (2jj + 1, k 0-7), (2jj + 1, k 8-15)
@@ -83,18 +84,20 @@ __device__ __forceinline__ void chunk_scores(float (&s)[kChunk / 8][4], const ui
 #pragma unroll
   for (int j = 0; j < kChunk / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
-  for (int jj = 0; jj < kChunk / 16; ++jj) {
-    if (c0 + 16 * jj >= nvalid) continue;
-    const int off = (c0 + 16 * jj + brow) * kKey + bcol;
+  for (int kc = 0; kc < D / 16; ++kc) {
+    uint32_t qa[4];
+    mma::ldsm_x4(qa, qs + arow * kKey + 16 * kc + acol);
 #pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) {
+    for (int jj = 0; jj < kChunk / 16; ++jj) {
+      if (c0 + 16 * jj >= nvalid) continue;
+      const int off = (c0 + 16 * jj + brow) * kKey + bcol + 16 * kc;
       uint32_t b[4];
-      mma::ldsm_x4(b, khi + off + 16 * kc);
-      mma::m16n8k16(s[2 * jj], qa[kc], {b[0], b[1]}, T());
-      mma::m16n8k16(s[2 * jj + 1], qa[kc], {b[2], b[3]}, T());
-      mma::ldsm_x4(b, klo + off + 16 * kc);
-      mma::m16n8k16(s[2 * jj], qa[kc], {b[0], b[1]}, T());
-      mma::m16n8k16(s[2 * jj + 1], qa[kc], {b[2], b[3]}, T());
+      mma::ldsm_x4(b, khi + off);
+      mma::m16n8k16(s[2 * jj], qa, {b[0], b[1]}, T());
+      mma::m16n8k16(s[2 * jj + 1], qa, {b[2], b[3]}, T());
+      mma::ldsm_x4(b, klo + off);
+      mma::m16n8k16(s[2 * jj], qa, {b[0], b[1]}, T());
+      mma::m16n8k16(s[2 * jj + 1], qa, {b[2], b[3]}, T());
     }
   }
 }
@@ -210,7 +213,9 @@ __device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D /
 
 // The softmax attention of query tiles over the head's buffer: grid (blocks per head, Hq, B), 256 threads, dynamic
 // shared memory OutSmem<D>::bytes(p.slots). Per tile, each warp calls epilogue(o, m, l, row0) with its unnormalised
-// o = Σ p vals, the running max m (base 2) and this lane's part of the row sums l of rows row0 and row0 + 8.
+// o = Σ p vals, the running max m (base 2) and this lane's part of the row sums l of rows row0 and row0 + 8. The
+// query fragments are read from the staged tile at each chunk, not held (at most 128 registers: two blocks per SM
+// for m <= 64 at D 128, where the block's buffer and tile take 104 KB), so the next tile loads after this one.
 template <typename T, int D, typename Epilogue>
 __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogue) {
   using S = OutSmem<D>;
@@ -228,22 +233,15 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
   const int n = p.n;
-  auto load_q = [&](int t0) {
-    mma::load_rows_async<kBQ, D, kThreads>(qs, q, p.sq.n, t0 * kBQ, [=](int r) { return t0 * kBQ + r < n; });
-  };
-  load_q(tile);
   stage_buffer<T, D>(p.keys + bh * p.slots * D, p.vals + bh * p.slots * D, nvalid, rows, khi, klo, vs);
   const float scale_log2 = p.root * kLog2e;  // keys carry √scale, q not yet
   // A fragments: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
   const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
   for (; tile < tiles; tile += gridDim.x) {
+    __syncthreads();  // the previous tile's readers of qs are done
+    mma::load_rows_async<kBQ, D, kThreads>(qs, q, p.sq.n, tile * kBQ, [=](int r) { return tile * kBQ + r < n; });
     mma::cp_async_wait_all();
     __syncthreads();  // the query tile (and, at the first, the buffer) is in shared memory
-    uint32_t qa[D / 16][4];
-#pragma unroll
-    for (int kc = 0; kc < D / 16; ++kc) mma::ldsm_x4(qa[kc], qs + arow * S::kKey + 16 * kc + acol);
-    __syncthreads();  // every warp holds its fragments: the tile may be overwritten
-    if (tile + gridDim.x < tiles) load_q(tile + gridDim.x);
 
     float m[2] = {-inf(), -inf()}, l[2] = {0.f, 0.f};
     float o[D / 8][4];
@@ -251,7 +249,7 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
     for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
     for (int c0 = 0; c0 < nvalid; c0 += kChunk) {
       float s[kChunk / 8][4];
-      chunk_scores<T, D>(s, qa, khi, klo, c0, nvalid, lane);
+      chunk_scores<T, D>(s, qs, arow, acol, khi, klo, c0, nvalid, lane);
       chunk_softmax<D>(s, m, l, o, c0, nvalid, scale_log2, lane);
       chunk_values<D>(o, s, vs, c0, nvalid, lane);
     }
@@ -261,7 +259,7 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
 
 // out = softmax(q_s keysᵀ) vals + conv residual, in T.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, D == 128 ? 1 : 2) nystrom_out_tc_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, 2) nystrom_out_tc_fwd_kernel(const Params p) {
   const int h = blockIdx.y, b = blockIdx.z;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + (h / p.groups) * p.sv.h;
   attend_tiles<T, D>(p, [&](const float (&o)[D / 8][4], const float (&)[2], const float (&l)[2], int row0) {

@@ -153,8 +153,8 @@ def test_input_scales_no_nan(mult, dtype):
 
 def test_blocks_take_several_query_tiles():
     """The tensor-core output and row-statistics kernels run about 4 blocks per SM over all heads, each taking every
-    gridDim.x-th query tile of its head: with 64 heads and 17 tiles per head, blocks take one or two tiles (the next
-    tile's rows load while the current one computes)."""
+    gridDim.x-th query tile of its head: with 64 heads and 17 tiles per head, blocks take one or two tiles, and the
+    buffer (64 slots) takes two 32-slot chunks of the online softmax."""
     q, k, v = make_inputs(4, 16, 4, 2049, 2049, 64, seed=3)
     mask = make_padding(4, 2049, min_real=1500, seed=3).to(DEV)
     check(q, k, v, m=64, mask=mask, conv=make_conv(16, 3, q.dtype))
