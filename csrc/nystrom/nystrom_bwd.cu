@@ -46,21 +46,15 @@ dim3 grid_of(int64_t x, int64_t y, int64_t z) {
   return dim3(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(z));
 }
 
-// kernel<<<grid, 256, sizeof(Smem)>>>(bp) with its dynamic shared memory opted in (> 48 KB at D 128).
-template <typename Smem>
-void launch_with_smem(void (*kernel)(BwdParams), dim3 grid, const BwdParams& bp, cudaStream_t stream) {
-  launch_dynamic(kernel, grid, kThreads, static_cast<int>(sizeof(Smem)), bp, stream);
-}
-
-// A split-N backward kernel and its launch shape: the tensor-core kernel (dynamic shared memory) or its CUDA-core
-// twin (kThreads, a shared-memory struct).
-struct SplitKernel {
+// A backward kernel and its launch shape: a tensor-core kernel (its threads and dynamic shared memory) or a CUDA-core
+// one (of<Smem>: kThreads, a shared-memory struct as dynamic shared memory, opted in above 48 KB).
+struct BwdKernel {
   void (*kernel)(BwdParams);
   int threads;
   int bytes;
 
   template <typename Smem>
-  static SplitKernel of(void (*kernel)(BwdParams)) {
+  static BwdKernel of(void (*kernel)(BwdParams)) {
     return {kernel, kThreads, static_cast<int>(sizeof(Smem))};
   }
   int64_t resident() const { return resident_blocks(reinterpret_cast<const void*>(kernel), threads, bytes); }
@@ -150,8 +144,8 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   }
   // the buffer gradients on tensor cores where the GPU has the shared memory they need (73 KB at D 64, 103 at 128)
   const bool k1_tc = on_tensor_cores(tc::K1Smem<D>::bytes, device);
-  const SplitKernel k1 = k1_tc ? SplitKernel{tc::nystrom_k1_tc_bwd_kernel<T, D>, tc::kK1Threads, tc::K1Smem<D>::bytes}
-                               : SplitKernel::of<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>);
+  const BwdKernel k1 = k1_tc ? BwdKernel{tc::nystrom_k1_tc_bwd_kernel<T, D>, tc::kK1Threads, tc::K1Smem<D>::bytes}
+                             : BwdKernel::of<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>);
   const int64_t stiles = div_up(S, k1_tc ? tc::kK1Slots : K1Tiles<D>::BL);
   const auto [a_splits, a_chunk] =
       split_plan(N, k1_tc ? tc::K1Smem<D>::kQueries : K1Tiles<D>::BQ, stiles * bh, k1.resident());
@@ -183,8 +177,8 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     }));
     constexpr int k3_tc_bytes = tc::K3BwdSmem<D>::bytes;  // 41 / 73 / 137 KB at D 32 / 64 / 128
     const bool k3_tc = on_tensor_cores(k3_tc_bytes, device);
-    const SplitKernel k3 = k3_tc ? SplitKernel{tc::nystrom_k3_tc_bwd_kernel<T, D>, tc::kK3Threads, k3_tc_bytes}
-                                 : SplitKernel::of<typename K3BwdTiles<D>::Smem>(nystrom_k3_bwd_kernel<T, D>);
+    const BwdKernel k3 = k3_tc ? BwdKernel{tc::nystrom_k3_tc_bwd_kernel<T, D>, tc::kK3Threads, k3_tc_bytes}
+                               : BwdKernel::of<typename K3BwdTiles<D>::Smem>(nystrom_k3_bwd_kernel<T, D>);
     const int64_t ltiles = div_up(m, k3_tc ? tc::kK3Rows : K3BwdTiles<D>::BL);
     const auto [b_splits, b_chunk] =
         split_plan(N, k3_tc ? tc::kK3Keys : K3BwdTiles<D>::BK, ltiles * bh, k3.resident());
@@ -207,15 +201,15 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     launch_dynamic(tc::nystrom_kv_tc_bwd_kernel<T, D>, grid_of(div_up(N, tc::kK3Keys), in.hkv, B), tc::kK3Threads,
                    kv_tc_bytes, bp, stream);
   } else {
-    launch_with_smem<typename KvTiles<D>::Smem>(nystrom_kv_bwd_kernel<T, D>,
-                                                grid_of(div_up(N, KvTiles<D>::BK), in.hkv, B), bp, stream);
+    BwdKernel::of<typename KvTiles<D>::Smem>(nystrom_kv_bwd_kernel<T, D>)
+        .launch(grid_of(div_up(N, KvTiles<D>::BK), in.hkv, B), bp, stream);
   }
   const int dq_tc_bytes = tc::DqSmem<D>::bytes(in.p.slots);  // 54 KB at D 64, m 32; 136 KB at D 128, m 64
   if (on_tensor_cores(dq_tc_bytes, device)) {
     launch_query_tiles(tc::nystrom_dq_tc_bwd_kernel<T, D>, bp, dq_tc_bytes, in, device, stream);
   } else {
-    launch_with_smem<typename DqTiles<D>::Smem>(nystrom_dq_bwd_kernel<T, D>,
-                                                grid_of(div_up(N, DqTiles<D>::BQ), Hq, B), bp, stream);
+    BwdKernel::of<typename DqTiles<D>::Smem>(nystrom_dq_bwd_kernel<T, D>)
+        .launch(grid_of(div_up(N, DqTiles<D>::BQ), Hq, B), bp, stream);
   }
   at::Tensor dconv = in.conv.defined() ? conv_weight_grad(in, dout) : at::empty({0}, in.q.options());
   return {dq, dk, dv, dconv};

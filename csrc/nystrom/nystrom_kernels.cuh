@@ -350,9 +350,9 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_out_fwd_kernel(const Para
 
 // The m x m stage of one (batch, q head) per block: K2 = softmax(Q̃ K̃ᵀ), Z = NS(K2) or NS(K2ᵀK2 + λI) K2ᵀ
 // (reference.k2_inverse); then W = Z W0 (nystrom_w_fwd_kernel). Matrices padded to MP = 16 TM rows/cols (padding
-// never enters the real block: every product sums over k < m only). 256 threads as 16 x 16, thread (ty, tx) owns rows ty + 16 i and
-// columns tx + 16 j (conflict-free shared reads). Buffers M (= A Z), T in dynamic shared memory; A and Z too
-// for MP <= 64, in global scratch for MP = 128 (3 x 64 KB would not fit an sm_80 block).
+// never enters the real block: every product sums over k < m only). 256 threads as 16 x 16, thread (ty, tx) owns
+// rows ty + 16 i and columns tx + 16 j (conflict-free shared reads). Buffers M (= A Z), T in dynamic shared memory;
+// A and Z too for MP <= 64, in global scratch for MP = 128 (3 x 64 KB would not fit an sm_80 block).
 struct InvParams {
   const float* q_land;  // (B, Hq, m, D) fp32 contiguous
   const float* k_land;  // (B, Hkv, m, D)
