@@ -47,6 +47,8 @@ struct BwdParams {
   const float* dkeys_kv;        // (B, Hkv, slots, D): d keys summed over each kv head's q heads
   const float* dvals_kv;        // (B, Hkv, slots, D)
   const float* dkl;             // (B, Hkv, m, D): d K̃ (scaled landmark keys), summed over the group
+  const float* dkl_late;        // (B, Hkv, m, D): the Newton–Schulz path's part of d K̃, when the dk/dv kernel ran
+                                // without it (beside that path's VJP): the dq kernel adds it to dk; else nullptr
   const float* dql;             // (B, Hq, m, D): d Q̃ (scaled landmark queries)
   void* dq;                     // (B, Hq, N, D) contiguous, q.dtype
   void* dk;                     // (B, Hkv, N, D) contiguous
@@ -72,6 +74,23 @@ __device__ __forceinline__ void add_row(float2& acc, const float* row, int c, fl
   const float2 x = *reinterpret_cast<const float2*>(row + 2 * c);
   acc.x = fmaf(mul, x.x, acc.x);
   acc.y = fmaf(mul, x.y, acc.y);
+}
+
+// dk[row] += dkl_late[lt] · share · √scale for real token `row` of a landmark sequence, landmark lt (its segment's
+// share): the part of d K̃ that the dk/dv kernel ran without; this thread's column pairs 4 dn + t of the row.
+template <typename T, int D>
+__device__ __forceinline__ void add_late_key_gradient(const BwdParams& bp, int b, int kvh, int row, int lt, float share,
+                                                      int t) {
+  const Params& p = bp.p;
+  const long long bg = (long long)b * p.hkv + kvh;
+  const float* dkl = bp.dkl_late + (bg * p.m + lt) * D;
+  unsigned* dkrow = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dk) + (bg * p.n + row) * D);
+#pragma unroll
+  for (int dn = 0; dn < D / 8; ++dn) {
+    float2 x = Pair<T>::to_float2(dkrow[4 * dn + t]);
+    add_row(x, dkl, 4 * dn + t, share * p.root);
+    dkrow[4 * dn + t] = Pair<T>::from_float2(x);
+  }
 }
 
 // Grid (ceil(N / BQ), Hq, B); the output kernel's tiles.
