@@ -162,9 +162,8 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
 
   constexpr int kv_tc_bytes = tc::KvSmem<D>::bytes;  // 31 / 55 / 69 KB at D 32 / 64 / 128
   const int dq_tc_bytes = tc::DqSmem<D>::bytes(in.p.slots);  // 54 KB at D 64, m 32; 136 KB at D 128, m 64
-  const bool kv_tc = on_tensor_cores(kv_tc_bytes, device), dq_tc = on_tensor_cores(dq_tc_bytes, device);
   const auto launch_key_gradients = [&] {
-    if (kv_tc) {
+    if (on_tensor_cores(kv_tc_bytes, device)) {
       launch_dynamic(tc::nystrom_kv_tc_bwd_kernel<T, D>, grid_of(div_up(N, tc::kK3Keys), in.hkv, B), tc::kK3Threads,
                      kv_tc_bytes, bp, stream);
     } else {
@@ -184,7 +183,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     dw0 = product(tr(st.z), dw).contiguous();
     rowdot = dw0.mul(st.w0).sum(-1).contiguous();  // Σ_j K3[l, j] (dW0 vᵀ)[l, j] = dW0[l] · W0[l]
     // the Newton–Schulz VJP (one block per head: half the SMs at B4 H16) on a side stream, beside K3's gradients and
-    // (when the dq kernel on tensor cores can add the VJP's part of d K̃ to dk afterwards) the dk/dv kernel
+    // the dk/dv kernel (on d K̃'s dS1ᵀ Q̃ part; nystrom_dk_late_bwd_kernel adds the VJP's dS2ᵀ Q̃ part to dk after)
     const SideStream side(c10::cuda::getCurrentCUDAStream(device.index()));
     const at::Tensor ds2 = side.handed_over(side.run([&](cudaStream_t ns_stream) {
       return softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz, ns_stream));
@@ -203,25 +202,21 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     bp.b_chunk = static_cast<int>(b_chunk);
     bp.part_dql = part_dql.data_ptr<float>();
     k3.launch(grid_of(b_splits, ltiles, bh), bp, stream);
-    if (dq_tc) {  // d K̃ = dS1ᵀ Q̃ part now, dS2ᵀ Q̃ part (the VJP's) by the dq kernel
-      dkl = ungroup(in, landmark_rows(dkeys)).contiguous();
-      bp.dkl = dkl.data_ptr<float>();
-      launch_key_gradients();
-    }
+    dkl = ungroup(in, landmark_rows(dkeys)).contiguous();
+    bp.dkl = dkl.data_ptr<float>();
+    launch_key_gradients();
     side.join();
-    const at::Tensor dkl_ns = product(tr(ds2), st.q_land);
-    if (dq_tc) {
-      dkl_late = ungroup(in, dkl_ns).contiguous();
-      bp.dkl_late = dkl_late.data_ptr<float>();
-    } else {
-      dkl = ungroup(in, landmark_rows(dkeys).add(dkl_ns)).contiguous();
-      bp.dkl = dkl.data_ptr<float>();
-    }
+    dkl_late = ungroup(in, product(tr(ds2), st.q_land)).contiguous();
+    bp.dkl_late = dkl_late.data_ptr<float>();
+    nystrom_dk_late_bwd_kernel<T, D>
+        <<<grid_of(div_up(N, kThreads / (D / 8)), in.hkv, B), kThreads, 0, stream>>>(bp);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     dql = product_plus(sum_splits(part_dql), ds2, st.k_land_g).contiguous();
     bp.dql = dql.data_ptr<float>();
+  } else {
+    launch_key_gradients();
   }
-  if (!(st.nystrom && dq_tc)) launch_key_gradients();
-  if (dq_tc) {
+  if (on_tensor_cores(dq_tc_bytes, device)) {
     launch_query_tiles(tc::nystrom_dq_tc_bwd_kernel<T, D>, bp, dq_tc_bytes, in, device, stream);
   } else {
     BwdKernel::of<typename DqTiles<D>::Smem>(nystrom_dq_bwd_kernel<T, D>)

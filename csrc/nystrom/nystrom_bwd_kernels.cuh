@@ -47,8 +47,8 @@ struct BwdParams {
   const float* dkeys_kv;        // (B, Hkv, slots, D): d keys summed over each kv head's q heads
   const float* dvals_kv;        // (B, Hkv, slots, D)
   const float* dkl;             // (B, Hkv, m, D): d K̃ (scaled landmark keys), summed over the group
-  const float* dkl_late;        // (B, Hkv, m, D): the Newton–Schulz path's part of d K̃, when the dk/dv kernel ran
-                                // without it (beside that path's VJP): the dq kernel adds it to dk; else nullptr
+  const float* dkl_late;        // (B, Hkv, m, D): the Newton–Schulz path's part of d K̃, which the dk/dv kernel ran
+                                // without (beside that path's VJP): nystrom_dk_late_bwd_kernel adds it to dk
   const float* dql;             // (B, Hq, m, D): d Q̃ (scaled landmark queries)
   void* dq;                     // (B, Hq, N, D) contiguous, q.dtype
   void* dk;                     // (B, Hkv, N, D) contiguous
@@ -76,21 +76,33 @@ __device__ __forceinline__ void add_row(float2& acc, const float* row, int c, fl
   acc.y = fmaf(mul, x.y, acc.y);
 }
 
-// dk[row] += dkl_late[lt] · share · √scale for real token `row` of a landmark sequence, landmark lt (its segment's
-// share): the part of d K̃ that the dk/dv kernel ran without; this thread's column pairs 4 dn + t of the row.
+// dk[j] += dkl_late[lt] · share · √scale for every real token j of a landmark sequence (landmark lt, its segment's
+// share): the part of d K̃ that the dk/dv kernel ran without. Grid (ceil(N / rows), Hkv, B), 256 threads, each on 8
+// columns of one row (rows = 256 / (D / 8) per block).
 template <typename T, int D>
-__device__ __forceinline__ void add_late_key_gradient(const BwdParams& bp, int b, int kvh, int row, int lt, float share,
-                                                      int t) {
+__global__ void __launch_bounds__(kThreads) nystrom_dk_late_bwd_kernel(const BwdParams bp) {
+  constexpr int kLanes = D / 8, kRows = kThreads / kLanes;
   const Params& p = bp.p;
+  const int j = blockIdx.x * kRows + threadIdx.x / kLanes, c = threadIdx.x % kLanes * 8;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  if (j >= p.n || bp.exact[b]) return;
+  const int rank = real_rank(bp, b, j);
+  if (rank < 0) return;
+  int lt;
+  const float mul = segment_share(p, b, rank, lt) * p.root;
   const long long bg = (long long)b * p.hkv + kvh;
-  const float* dkl = bp.dkl_late + (bg * p.m + lt) * D;
-  unsigned* dkrow = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dk) + (bg * p.n + row) * D);
+  const float4* src = reinterpret_cast<const float4*>(bp.dkl_late + (bg * p.m + lt) * D + c);
+  uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(bp.dk) + (bg * p.n + j) * D + c);
+  const float4 lo = src[0], hi = src[1];
+  uint4 w = *dst;
+  const float add[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+  unsigned* words = reinterpret_cast<unsigned*>(&w);
 #pragma unroll
-  for (int dn = 0; dn < D / 8; ++dn) {
-    float2 x = Pair<T>::to_float2(dkrow[4 * dn + t]);
-    add_row(x, dkl, 4 * dn + t, share * p.root);
-    dkrow[4 * dn + t] = Pair<T>::from_float2(x);
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = Pair<T>::to_float2(words[i]);
+    words[i] = Pair<T>::from_float2(make_float2(fmaf(mul, add[2 * i], x.x), fmaf(mul, add[2 * i + 1], x.y)));
   }
+  *dst = w;
 }
 
 // Grid (ceil(N / BQ), Hq, B); the output kernel's tiles.

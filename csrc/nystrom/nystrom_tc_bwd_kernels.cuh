@@ -536,8 +536,6 @@ __global__ void __launch_bounds__(kThreads, D == 32 ? 2 : 1) nystrom_dq_tc_bwd_k
         const float* dql = bp.dql + (bh * p.m + lt) * D;
 #pragma unroll
         for (int dn = 0; dn < D / 8; ++dn) add_row(res[dn], dql, 4 * dn + t, share);
-        if (bp.dkl_late != nullptr && h % p.groups == 0)  // one q head of the group writes its kv head's dk
-          add_late_key_gradient<T, D>(bp, b, h / p.groups, row, lt, share, t);
       }
       unsigned* dst = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dq) + (bh * n + row) * D);
 #pragma unroll
