@@ -109,6 +109,11 @@ at::Tensor conv_weight_grad(const Inputs& in, const at::Tensor& dout) {
   return at::stack(cols, 1).to(in.conv_dtype).contiguous();
 }
 
+// Whether the backward runs the dk/dv kernel beside the Newton–Schulz VJP and then passes over dk once more to add
+// the VJP's part (nystrom_dk_late_bwd_kernel): up to 64 MiB of dk that pass costs about as much as the VJP's lead over
+// K3's backward saves (H200, B4 H16 D128 m64: N 2,048 and 4,096 faster); beyond, K3's backward alone hides the VJP.
+bool late_key_pass(const at::Tensor& dk) { return dk.nbytes() <= (int64_t{64} << 20); }
+
 // lse3: K3's base-2 log-sum-exp (B, Hq, m) for landmark sequences (st.nystrom), else undefined.
 template <typename T, int D>
 Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tensor& lse3, cudaStream_t stream) {
@@ -182,8 +187,9 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     const at::Tensor dz = product(dw, tr(st.w0));
     dw0 = product(tr(st.z), dw).contiguous();
     rowdot = dw0.mul(st.w0).sum(-1).contiguous();  // Σ_j K3[l, j] (dW0 vᵀ)[l, j] = dW0[l] · W0[l]
-    // the Newton–Schulz VJP (one block per head: half the SMs at B4 H16) on a side stream, beside K3's gradients and
-    // the dk/dv kernel (on d K̃'s dS1ᵀ Q̃ part; nystrom_dk_late_bwd_kernel adds the VJP's dS2ᵀ Q̃ part to dk after)
+    // the Newton–Schulz VJP (one block per head: half the SMs at B4 H16) on a side stream, beside K3's gradients and,
+    // where dk is small (late_key_pass), the dk/dv kernel on d K̃'s dS1ᵀ Q̃ part (nystrom_dk_late_bwd_kernel adds the
+    // VJP's dS2ᵀ Q̃ part to dk after)
     const SideStream side(c10::cuda::getCurrentCUDAStream(device.index()));
     const at::Tensor ds2 = side.handed_over(side.run([&](cudaStream_t ns_stream) {
       return softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz, ns_stream));
@@ -202,15 +208,25 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     bp.b_chunk = static_cast<int>(b_chunk);
     bp.part_dql = part_dql.data_ptr<float>();
     k3.launch(grid_of(b_splits, ltiles, bh), bp, stream);
-    dkl = ungroup(in, landmark_rows(dkeys)).contiguous();
-    bp.dkl = dkl.data_ptr<float>();
-    launch_key_gradients();
+    const bool late = late_key_pass(dk);
+    if (late) {
+      dkl = ungroup(in, landmark_rows(dkeys)).contiguous();
+      bp.dkl = dkl.data_ptr<float>();
+      launch_key_gradients();
+    }
     side.join();
-    dkl_late = ungroup(in, product(tr(ds2), st.q_land)).contiguous();
-    bp.dkl_late = dkl_late.data_ptr<float>();
-    nystrom_dk_late_bwd_kernel<T, D>
-        <<<grid_of(div_up(N, kThreads / (D / 8)), in.hkv, B), kThreads, 0, stream>>>(bp);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const at::Tensor dkl_vjp = product(tr(ds2), st.q_land);
+    if (late) {
+      dkl_late = ungroup(in, dkl_vjp).contiguous();
+      bp.dkl_late = dkl_late.data_ptr<float>();
+      nystrom_dk_late_bwd_kernel<T, D>
+          <<<grid_of(div_up(N, kThreads / (D / 8)), in.hkv, B), kThreads, 0, stream>>>(bp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else {
+      dkl = ungroup(in, landmark_rows(dkeys).add(dkl_vjp)).contiguous();
+      bp.dkl = dkl.data_ptr<float>();
+      launch_key_gradients();
+    }
     dql = product_plus(sum_splits(part_dql), ds2, st.k_land_g).contiguous();
     bp.dql = dql.data_ptr<float>();
   } else {

@@ -383,6 +383,28 @@ def test_unsupported_configurations_raise_clear_errors():
         fwd(q, k, v, make_conv(2, 4, q.dtype), None, 4, 6, 0.0, 0.125)
 
 
+def cuda_kernels_of(fn):
+    """The names of the CUDA kernels that fn() launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("n, d, late", [(300, 64, True), (262_145, 128, False)])
+def test_late_key_pass_only_for_small_dk(n, d, late):
+    """Up to 64 MiB of dk the dk/dv kernel runs beside the Newton–Schulz VJP and nystrom_dk_late_bwd_kernel adds the
+    VJP's part of dk after it; above, the dk/dv kernel waits for the VJP. Both orders match the oracle (GQA, padding)."""
+    q, k, v = make_inputs(1, 2, 1, n, n, d)
+    mask = make_padding(1, n, min_real=n - 50, seed=3).to(DEV)
+    check(q, k, v, m=64, mask=mask)
+    out, state = torch.ops.hfab.nystrom_fwd(q, k, v, None, mask, 64, 6, 0.0, d ** -0.5)
+    dout = torch.randn_like(out)
+    kernels = cuda_kernels_of(lambda: torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, mask, 64, 6, 0.0, d ** -0.5,
+                                                                 state))
+    assert any("nystrom_dk_late" in name for name in kernels) == late
+
+
 def test_backward_with_the_saved_state_recomputes_nothing():
     """Given the forward's state, the backward launches no landmark, K3 or Newton–Schulz forward kernel; a state of
     the wrong length is refused with a clear error."""
@@ -390,10 +412,7 @@ def test_backward_with_the_saved_state_recomputes_nothing():
     mask = make_padding(2, 300, min_real=100, seed=4).to(DEV)
     out, state = torch.ops.hfab.nystrom_fwd(q, k, v, None, mask, 16, 6, 0.0, 0.125)
     dout = torch.randn_like(out)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, mask, 16, 6, 0.0, 0.125, state)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = cuda_kernels_of(lambda: torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, mask, 16, 6, 0.0, 0.125, state))
     assert any("nystrom_kv" in name for name in kernels)
     assert not [name for name in kernels if any(s in name for s in ("landmark", "inverse_fwd", "k3_fwd", "k3_tc_fwd"))]
     with pytest.raises(RuntimeError, match="state holds 2 tensors; expected 17"):
