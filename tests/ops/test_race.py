@@ -240,6 +240,26 @@ def test_boundary_errors(bad, match):
             fn(q, k, v, **args)
 
 
+def test_beta_finiteness_checked_once_per_tensor_state(monkeypatch):
+    """The finiteness check of a tensor beta (a host sync on a GPU) runs once per tensor until it changes in place."""
+    calls = []
+    isfinite = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda x: calls.append(1) or isfinite(x))
+    q, k, v = make_qkv(1, 2, 2, 5, 5, 8, dtype=torch.float32)
+    planes, beta = hfab.make_planes(2, 3, 8), torch.nn.Parameter(torch.tensor(0.5))
+    for _ in range(3):
+        hfab.race_attention(q, k, v, planes=planes, beta=beta)
+    assert len(calls) == 1
+    with torch.no_grad():
+        beta.fill_(float("nan"))
+    with pytest.raises(ValueError, match="must be finite"):
+        hfab.race_attention(q, k, v, planes=planes, beta=beta)
+    with torch.no_grad():
+        beta.fill_(0.25)
+    hfab.race_attention(q, k, v, planes=planes, beta=beta)
+    assert len(calls) == 3
+
+
 def test_compile_fullgraph():
     q, k, v = make_qkv(1, 2, 1, 9, 9, 8, dtype=torch.float32, requires_grad=True)
     planes = hfab.make_planes(2, 4, 8)
