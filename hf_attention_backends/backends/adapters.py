@@ -24,6 +24,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..ops._common import PassedOnce
 from ..ops import exact_attention, make_planes, nystrom_attention, race_attention, stieltjes_attention
 from .config import CONFIGS, make_config
 from . import race_cache
@@ -38,6 +39,7 @@ except ImportError:
 BACKENDS = tuple(CONFIGS)
 _PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k")
 _PLANES: dict = {}
+_UNPACKED = PassedOnce()  # position_ids (and key mask) found without a restart inside a row
 
 
 def implementation_name(backend: str) -> str:
@@ -105,14 +107,19 @@ def check_not_packed(what: str, position_ids: Optional[Tensor], key_padding_mask
         return
     if position_ids.shape[-1] != nq:
         return
-    steps = position_ids[:, 1:] - position_ids[:, :-1]
-    bad = steps != 1
-    if key_padding_mask is not None:
+
+    def restarts() -> Tensor:  # (B, Nq - 1) bool
+        bad = position_ids[:, 1:] - position_ids[:, :-1] != 1
+        if key_padding_mask is None:
+            return bad
         real = key_padding_mask[:, -nq:]
         # a step counts between consecutive real tokens only (padding is contiguous at one end)
-        bad = bad & real[:, 1:] & real[:, :-1]
-    if bool(bad.any()):
-        row = int(bad.any(dim=-1).nonzero()[0])
+        return bad & real[:, 1:] & real[:, :-1]
+
+    # a host sync: once per forward, not per layer (the layers share position_ids and the mask they are views of)
+    tensors = (position_ids,) if key_padding_mask is None else (position_ids, key_padding_mask)
+    if not _UNPACKED.passes(tensors, lambda: not bool(restarts().any())):
+        row = int(restarts().any(dim=-1).nonzero()[0])
         raise NotImplementedError(
             f"{what}: position_ids restart inside row {row} (several documents packed in one row); packed "
             "batches are not supported yet and would attend across documents: put each document in its own "

@@ -6,7 +6,8 @@ never call it.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+import weakref
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -61,6 +62,40 @@ def check_key_padding_mask(mask: Optional[Tensor], k: Tensor) -> Optional[Tensor
     if mask.device != k.device:
         raise ValueError(f"key_padding_mask is on {mask.device}, k on {k.device}; they must match")
     return mask
+
+
+class PassedOnce:
+    """Host-side checks of tensor values (each a host sync on a GPU) run once per tensor state, not once per call.
+
+    ``passes(tensors, predicate)`` returns ``predicate()``, which must depend only on the values of ``tensors``,
+    and remembers a True while every tensor is a view of the same live tensor (itself, or its ``_base``) with the
+    same place, shape, strides and in-place version counter: a layer's Parameter is checked at its first call and
+    again after an optimizer step or a load changed it; a mask or position_ids shared by a model's layers once per
+    forward, also when each layer receives a new view of it. Inference tensors keep no version counter, so a
+    predicate over them runs every call. Not for use while tracing (checks are skipped there).
+    """
+
+    def __init__(self):
+        self._passed = {}  # id of the first tensor's base -> (weak references to the bases, the views' states)
+
+    def passes(self, tensors: tuple, predicate: Callable[[], bool]) -> bool:
+        if any(t.is_inference() for t in tensors):
+            return predicate()
+        bases = tuple(t if t._base is None else t._base for t in tensors)
+        key = id(bases[0])
+        states = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t._version) for t in tensors)
+        seen = self._passed.get(key)
+        if seen is not None and seen[1] == states and all(r() is b for r, b in zip(seen[0], bases)):
+            return True
+        if not predicate():
+            return False
+        table = self._passed
+
+        def forget(_ref):  # the entry dies with any of its bases
+            table.pop(key, None)
+
+        table[key] = (tuple(weakref.ref(b, forget) for b in bases), states)
+        return True
 
 
 def resolve_scale(scale: Optional[float], head_dim: int) -> float:

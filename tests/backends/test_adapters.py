@@ -7,7 +7,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import hf_attention_backends as hfab
 from hf_attention_backends import integrations
-from hf_attention_backends.backends import ATTENTION_FUNCTIONS, make_config
+from hf_attention_backends.backends import ATTENTION_FUNCTIONS, adapters, make_config
 from tests.integrations.tiny_models import CAUSAL, FAMILIES, VOCAB, output_of, tiny_inputs, tiny_model
 
 BACKENDS = ("exact", "stieltjes", "race", "nystrom")
@@ -227,6 +227,27 @@ def test_packed_position_ids_refused():
         model(input_ids=ids, position_ids=position_ids)
     with pytest.raises(ValueError, match="packed documents"):
         model(input_ids=ids, position_ids=position_ids, use_cache=False)
+
+
+def test_packed_check_runs_once_per_forward_and_again_after_a_change(monkeypatch):
+    """The position_ids check (a host sync on a GPU) runs at the first layer of a forward only, and a change of
+    position_ids in place is still refused."""
+    runs = []
+
+    class Counting(adapters.PassedOnce):
+        def passes(self, tensors, predicate):
+            return super().passes(tensors, lambda: runs.append(1) or predicate())
+
+    monkeypatch.setattr(adapters, "_UNPACKED", Counting())
+    model = enabled("llama", "exact")
+    assert model.config.num_hidden_layers > 1
+    ids = tiny_inputs("llama", 1, 8)["input_ids"]
+    position_ids = torch.arange(8)[None]
+    model(input_ids=ids, position_ids=position_ids)
+    assert len(runs) == 1
+    position_ids[0, 4:] = torch.arange(4)
+    with pytest.raises(NotImplementedError, match="position_ids restart inside row 0"):
+        model(input_ids=ids, position_ids=position_ids)
 
 
 def test_dropout_in_training_refused():

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
-from .._common import check_key_padding_mask, check_positive_int, check_qkv, compute_dtype, reference_vjp
+from .._common import (PassedOnce, check_key_padding_mask, check_positive_int, check_qkv, compute_dtype,
+                       reference_vjp)
 from .._registry import cpu_op
 from . import reference
 
@@ -98,6 +98,9 @@ def _check_planes(planes, q: Tensor) -> Tensor:
     return planes
 
 
+_FINITE_BETAS = PassedOnce()
+
+
 def _check_beta(beta, q: Tensor) -> Tensor:
     """A finite python float > 0, or a finite floating Tensor of shape () or (Hq,); returns a Tensor."""
     hq = q.shape[1]
@@ -114,28 +117,11 @@ def _check_beta(beta, q: Tensor) -> Tensor:
         raise ValueError(f"beta.dtype={beta.dtype} is not supported; supported: a floating dtype")
     if beta.device != q.device:
         raise ValueError(f"beta is on {beta.device}, q on {q.device}; they must match")
-    if not torch.compiler.is_compiling() and not _is_finite_once(beta):  # traced: no data-dependent checks
+    # a host sync, once per beta tensor and state; skipped when traced (data-dependent checks would break the graph)
+    if not torch.compiler.is_compiling() and not _FINITE_BETAS.passes((beta,),
+                                                                       lambda: bool(torch.isfinite(beta).all())):
         raise ValueError(f"beta={beta.detach().cpu().tolist()} must be finite")
     return beta
-
-
-_FINITE_SEEN: dict = {}  # id(beta) -> (weak reference to beta, (data_ptr, version)) of a finite beta
-
-
-def _is_finite_once(beta: Tensor) -> bool:
-    """``torch.isfinite(beta).all()``: a host sync, so it runs once per tensor and state (its storage and in-place
-    version counter) instead of once per call. A layer's beta Parameter is checked at its first call and again only
-    after it changed (an optimizer step, a load); inference tensors, which keep no version counter, every call."""
-    if beta.is_inference():
-        return bool(torch.isfinite(beta).all())
-    key, state = id(beta), (beta.data_ptr(), beta._version)
-    seen = _FINITE_SEEN.get(key)
-    if seen is not None and seen[0]() is beta and seen[1] == state:
-        return True
-    finite = bool(torch.isfinite(beta).all())
-    if finite:  # the entry leaves with its tensor (a weak-key dict would compare tensors with ==)
-        _FINITE_SEEN[key] = (weakref.ref(beta, lambda _, key=key: _FINITE_SEEN.pop(key, None)), state)
-    return finite
 
 
 def _check_inputs(q, k, v, planes, beta, key_padding_mask):
