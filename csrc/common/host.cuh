@@ -173,11 +173,13 @@ inline int64_t resident_blocks(const void* kernel, int threads, int bytes) {
 // first waits for everything enqueued on `main` so far; join() makes `main` wait for the side work. ATen ops inside
 // run() go to the side stream and allocate from its pool; a tensor the side work hands to `main` must be
 // handed_over() (the caching allocator then keeps its memory until `main` is done with it). Tensors of `main` the side
-// work reads must stay referenced until join().
+// work reads must stay referenced until join(). enabled = false: the side work runs on `main` in the order enqueued
+// (an A/B switch: a profile then shows each kernel's time without the overlap).
 class SideStream {
  public:
-  explicit SideStream(const c10::cuda::CUDAStream& main) : main_(main), side_(side_stream(main.device_index())) {
-    wait_for(side_, main_);
+  SideStream(const c10::cuda::CUDAStream& main, bool enabled)
+      : main_(main), side_(enabled ? side_stream(main.device_index()) : main), enabled_(enabled) {
+    if (enabled_) wait_for(side_, main_);
   }
   template <typename Work>
   auto run(Work&& work) const {
@@ -185,10 +187,12 @@ class SideStream {
     return work(side_.stream());
   }
   const at::Tensor& handed_over(const at::Tensor& t) const {
-    t.record_stream(main_.unwrap());
+    if (enabled_) t.record_stream(main_.unwrap());
     return t;
   }
-  void join() const { wait_for(main_, side_); }
+  void join() const {
+    if (enabled_) wait_for(main_, side_);
+  }
 
  private:
   // `waiter` waits for the work enqueued on `done` so far (an event per device and thread, re-recorded each time:
@@ -214,6 +218,7 @@ class SideStream {
 
   c10::cuda::CUDAStream main_;
   c10::cuda::CUDAStream side_;
+  bool enabled_;
 };
 
 // Whether environment variable `name` is set to `value` (the kernels' A/B switches).

@@ -190,7 +190,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     // the Newton–Schulz VJP (one block per head: half the SMs at B4 H16) on a side stream, beside K3's gradients and,
     // where dk is small (late_key_pass), the dk/dv kernel on d K̃'s dS1ᵀ Q̃ part (nystrom_dk_late_bwd_kernel adds the
     // VJP's dS2ᵀ Q̃ part to dk after)
-    const SideStream side(c10::cuda::getCurrentCUDAStream(device.index()));
+    const SideStream side(c10::cuda::getCurrentCUDAStream(device.index()), side_stream_enabled());
     const at::Tensor ds2 = side.handed_over(side.run([&](cudaStream_t ns_stream) {
       return softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz, ns_stream));
     }));

@@ -300,6 +300,13 @@ inline bool tensor_cores_enabled() {
   return enabled;
 }
 
+// The m x m stages beside the N-sized kernels on a side stream (SideStream); HFAB_NYSTROM_SIDE_STREAM=0 runs them on
+// the caller's stream in turn, for profiles of each kernel alone and for testing.
+inline bool side_stream_enabled() {
+  static const bool enabled = !env_is("HFAB_NYSTROM_SIDE_STREAM", "0");  // read once per process
+  return enabled;
+}
+
 // Whether a tensor-core kernel needing `bytes` of dynamic shared memory runs (else its CUDA-core twin).
 inline bool on_tensor_cores(int bytes, const c10::Device& device) {
   return tensor_cores_enabled() && bytes <= shared_memory_limit(device);
@@ -393,7 +400,7 @@ void finish_state(Inputs& in, State& st, W0Of w0_of, bool save, cudaStream_t str
     st.nvalid = nvalid_exact.contiguous();
   } else {
     st.k_land_g = group(in, st.k_land);
-    const SideStream side(c10::cuda::getCurrentCUDAStream(in.q.device().index()));
+    const SideStream side(c10::cuda::getCurrentCUDAStream(in.q.device().index()), side_stream_enabled());
     InverseStage inverse = inverse_stage<D>(in, st, save, side);
     st.w0 = w0_of();
     side.join();

@@ -194,6 +194,16 @@ def test_cuda_core_and_tensor_core_kernels_both_match_the_oracle(tmp_path):
                                        name=f"case {case} {path} {name}")
 
 
+def test_side_stream_off_gives_the_same_bits(tmp_path):
+    """HFAB_NYSTROM_SIDE_STREAM=0 (read once per process, hence a subprocess) runs the m x m stages on the caller's
+    stream in turn instead of beside the N-sized kernels: the same kernels on the same data, so the same bits."""
+    in_turn = cases_in_subprocess("test_nystrom_cuda", "kernel_path_cases", {"HFAB_NYSTROM_SIDE_STREAM": "0"},
+                                  tmp_path)
+    for case, ((_, _, serial), (_, _, overlapped)) in enumerate(zip(in_turn, kernel_path_cases())):
+        for name, a, b in zip(("out", "dq", "dk", "dv", "dconv"), serial, overlapped):
+            assert torch.equal(a, b), f"case {case} {name}"
+
+
 def test_deterministic_forward():
     q, k, v = make_inputs(2, 8, 2, 4097, 4097, 64)
     mask = make_padding(2, 4097, min_real=1000, seed=2).to(DEV)
