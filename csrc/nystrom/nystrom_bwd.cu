@@ -220,7 +220,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
       dkl_late = ungroup(in, dkl_vjp).contiguous();
       bp.dkl_late = dkl_late.data_ptr<float>();
       nystrom_dk_late_bwd_kernel<T, D>
-          <<<grid_of(div_up(N, kThreads / (D / 8)), in.hkv, B), kThreads, 0, stream>>>(bp);
+          <<<grid_of(div_up(N, dk_late_rows<D>), in.hkv, B), kThreads, 0, stream>>>(bp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else {
       dkl = ungroup(in, landmark_rows(dkeys).add(dkl_vjp)).contiguous();

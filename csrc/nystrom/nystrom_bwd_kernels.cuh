@@ -78,10 +78,13 @@ __device__ __forceinline__ void add_row(float2& acc, const float* row, int c, fl
 
 // dk[j] += dkl_late[lt] · share · √scale for every real token j of a landmark sequence (landmark lt, its segment's
 // share): the part of d K̃ that the dk/dv kernel ran without. Grid (ceil(N / rows), Hkv, B), 256 threads, each on 8
-// columns of one row (rows = 256 / (D / 8) per block).
+// columns of one row (rows = dk_late_rows<D> per block).
+template <int D>
+constexpr int dk_late_rows = kThreads / (D / 8);
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) nystrom_dk_late_bwd_kernel(const BwdParams bp) {
-  constexpr int kLanes = D / 8, kRows = kThreads / kLanes;
+  constexpr int kLanes = D / 8, kRows = dk_late_rows<D>;
   const Params& p = bp.p;
   const int j = blockIdx.x * kRows + threadIdx.x / kLanes, c = threadIdx.x % kLanes * 8;
   const int kvh = blockIdx.y, b = blockIdx.z;
