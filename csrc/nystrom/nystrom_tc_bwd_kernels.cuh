@@ -135,6 +135,56 @@ __device__ __forceinline__ void halves_product(float (&acc)[D / 8][4], const flo
   }
 }
 
+// Per-row powers of two for an fp32 tile x (C layout: this lane's rows g, g + 8) that halves_product is about to
+// split into 16-bit halves: K3's probabilities are ~1/N, so at long N they (and dS3) fall among fp16's subnormals
+// and lose their low bits (dv 4.7 ulp off at N 262,145), and large gradients could pass fp16's range. Each row of x
+// is scaled by 2^e[r] so that its largest |x| stays below 2^15; e starts at kRowExpMax and only ever goes down, the
+// accumulator's row following it (powers of two: exact); unscale_rows undoes e at the end.
+constexpr int kRowExpMax = 64;
+
+__device__ __forceinline__ float pow2(int e) { return __uint_as_float(static_cast<unsigned>(127 + e) << 23); }
+
+template <int NT, int D>
+__device__ __forceinline__ void scale_rows(float (&x)[NT][4], float (&acc)[D / 8][4], int (&e)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float m = 0.f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) m = fmaxf(m, fmaxf(fabsf(x[j][2 * r]), fabsf(x[j][2 * r + 1])));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));  // the row's four lanes
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const int want = min(141 - static_cast<int>(__float_as_uint(m) >> 23), kRowExpMax);  // m < 2^(biased - 126)
+    if (want < e[r]) {
+      const float down = ldexpf(1.f, want - e[r]);
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        acc[dn][2 * r] *= down;
+        acc[dn][2 * r + 1] *= down;
+      }
+      e[r] = want;
+    }
+    const float up = pow2(e[r]);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      x[j][2 * r] *= up;
+      x[j][2 * r + 1] *= up;
+    }
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void unscale_rows(float (&acc)[D / 8][4], const int (&e)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float down = pow2(-e[r]);
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      acc[dn][2 * r] *= down;
+      acc[dn][2 * r + 1] *= down;
+    }
+  }
+}
+
 // Grid and shared memory as nystrom_out_tc_fwd_kernel. lse1 = +inf and Δ1 = 0 for a row with no valid slot.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 2) nystrom_stats_tc_bwd_kernel(const BwdParams bp) {
@@ -320,6 +370,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bw
   float acc[D / 8][4];
 #pragma unroll
   for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.f;
+  int exps[2] = {kRowExpMax, kRowExpMax};
   int buf = 0;
   for (int k0 = kbeg; k0 < kend; k0 += kK3Keys, buf ^= 1) {
     mma::cp_async_wait_all();
@@ -338,8 +389,10 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bw
         const float pr = exp2f(fmaf(s[j][e], scale_log2, bt[8 * j + 2 * t + (e & 1)]) - lse[e >> 1]);
         dp[j][e] = pr * (dp[j][e] - rd[e >> 1]);
       }
+    scale_rows<kK3Keys / 8, D>(dp, acc, exps);
     halves_product<T, D, kK3Keys / 8, false>(acc, dp, kt, nullptr, kK3Keys, lane);  // dS3 k
   }
+  unscale_rows<D>(acc, exps);
 
   const long long slab = (long long)split * gridDim.z + bh;
 #pragma unroll
@@ -386,6 +439,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
   for (int dn = 0; dn < D / 8; ++dn)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[dn][e] = dv[dn][e] = 0.f;
+  int dk_exps[2] = {kRowExpMax, kRowExpMax}, dv_exps[2] = {kRowExpMax, kRowExpMax};
   float bias[2];  // 0 / -inf for this lane's key rows g, g + 8
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -426,10 +480,14 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
             s[c][e] = pr;
             dp[c][e] = pr * (dp[c][e] - rd[col]);
           }
+        scale_rows<kLand / 8, D>(s, dv, dv_exps);
+        scale_rows<kLand / 8, D>(dp, dk, dk_exps);
         halves_product<T, D, kLand / 8, true>(dv, s, whi, wlo, count, lane);   // K3ᵀ dW0
         halves_product<T, D, kLand / 8, true>(dk, dp, lhi, llo, count, lane);  // dS3ᵀ Q̃
       }
     }
+    unscale_rows<D>(dv, dv_exps);
+    unscale_rows<D>(dk, dk_exps);
   }
 
 #pragma unroll
