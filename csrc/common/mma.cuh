@@ -124,9 +124,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-// Until at most `pending` of this thread's most recent committed groups are still in flight.
-template <int pending>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory"); }
 
 // A thread's share of a block copying ROWS rows of D 16-bit elements in 16-byte chunks into a shared tile with rows
 // D + 8 elements apart: chunk chunk() of rows row() + kPass i, i < kIters. Addresses are formed once per copy and

@@ -109,21 +109,6 @@ at::Tensor conv_weight_grad(const Inputs& in, const at::Tensor& dout) {
   return at::stack(cols, 1).to(in.conv_dtype).contiguous();
 }
 
-// Q̃ and dW0 (B, Hq, m, D) fp32 in T's 16-bit halves: (4, B, Hq, m, D) = Q̃ hi, lo, dW0 hi, lo (int16 storage).
-template <typename T>
-at::Tensor landmark_halves(const at::Tensor& q_land, const at::Tensor& dw0, cudaStream_t stream) {
-  TORCH_INTERNAL_ASSERT(q_land.is_contiguous() && dw0.is_contiguous() && q_land.sizes() == dw0.sizes());
-  std::vector<int64_t> sizes{4};
-  sizes.insert(sizes.end(), q_land.sizes().begin(), q_land.sizes().end());
-  at::Tensor halves = at::empty(sizes, q_land.options().dtype(at::kShort));
-  const int64_t quads = q_land.numel() / 4;
-  const dim3 grid(static_cast<unsigned>(div_up(quads, 256)), 2);
-  tc::nystrom_landmark_halves_kernel<T><<<grid, 256, 0, stream>>>(
-      q_land.data_ptr<float>(), dw0.data_ptr<float>(), reinterpret_cast<uint16_t*>(halves.data_ptr<int16_t>()), quads);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return halves;
-}
-
 // Whether the backward runs the dk/dv kernel beside the Newton–Schulz VJP and then passes over dk once more to add
 // the VJP's part (nystrom_dk_late_bwd_kernel): up to 64 MiB of dk that pass costs about as much as the VJP's lead over
 // K3's backward saves (H200, B4 H16 D128 m64: N 2,048 and 4,096 faster); beyond, K3's backward alone hides the VJP.
@@ -180,12 +165,10 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   bp.dkeys_kv = dkeys_kv.data_ptr<float>();
   bp.dvals_kv = dvals_kv.data_ptr<float>();
 
-  bp.kv_sets = kv_double_buffer_enabled() && on_tensor_cores(tc::KvSmem<D>::bytes(2), device) ? 2 : 1;
-  const int kv_tc_bytes = tc::KvSmem<D>::bytes(bp.kv_sets);  // 2 sets: 51 / 91 / 103 KB at D 32 / 64 / 128
-  const bool kv_tc = on_tensor_cores(kv_tc_bytes, device);
+  constexpr int kv_tc_bytes = tc::KvSmem<D>::bytes;  // 31 / 55 / 69 KB at D 32 / 64 / 128
   const int dq_tc_bytes = tc::DqSmem<D>::bytes(in.p.slots);  // 54 KB at D 64, m 32; 136 KB at D 128, m 64
   const auto launch_key_gradients = [&] {
-    if (kv_tc) {
+    if (on_tensor_cores(kv_tc_bytes, device)) {
       launch_dynamic(tc::nystrom_kv_tc_bwd_kernel<T, D>, grid_of(div_up(N, tc::kK3Keys), in.hkv, B), tc::kK3Threads,
                      kv_tc_bytes, bp, stream);
     } else {
@@ -194,7 +177,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     }
   };
 
-  at::Tensor dw0, rowdot, dkl, dkl_late, dql, part_dql, land_halves;
+  at::Tensor dw0, rowdot, dkl, dkl_late, dql, part_dql;
   if (st.nystrom) {  // landmark sequences: keys = K̃, vals = W = Z W0, W0 = K3 v
     // sequences with n <= m real tokens take no landmark path: possible only with a mask (else n = N > m)
     const auto landmark_rows = [&](const at::Tensor& x) {
@@ -204,8 +187,6 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     const at::Tensor dz = product(dw, tr(st.w0));
     dw0 = product(tr(st.z), dw).contiguous();
     rowdot = dw0.mul(st.w0).sum(-1).contiguous();  // Σ_j K3[l, j] (dW0 vᵀ)[l, j] = dW0[l] · W0[l]
-    if (kv_tc) land_halves = landmark_halves<T>(st.q_land, dw0, stream);
-    bp.land_halves = kv_tc ? reinterpret_cast<const uint16_t*>(land_halves.data_ptr<int16_t>()) : nullptr;
     // the Newton–Schulz VJP (one block per head: half the SMs at B4 H16) on a side stream, beside K3's gradients and,
     // where dk is small (late_key_pass), the dk/dv kernel on d K̃'s dS1ᵀ Q̃ part (nystrom_dk_late_bwd_kernel adds the
     // VJP's dS2ᵀ Q̃ part to dk after)

@@ -40,9 +40,6 @@ struct BwdParams {
   float* part_dkeys;            // (splits, B Hq, slots, D)
   float* part_dvals;            // (splits, B Hq, slots, D)
   const float* dw0;             // (B Hq, m, D)
-  const uint16_t* land_halves;  // (4, B Hq, m, D): Q̃ hi, lo and dW0 hi, lo in T's 16-bit halves (tc::nystrom_landmark_
-                                // halves_kernel), for the tensor-core dk/dv kernel
-  int kv_sets;                  // landmark tile sets in that kernel's shared memory (tc::KvSmem): 2, or 1 if short
   const float* lse3;            // (B Hq, m) base-2 log-sum-exp of the K3 scores over the real keys
   const float* rowdot;          // (B Hq, m)
   int b_chunk;                  // keys per split of nystrom_k3_bwd_kernel

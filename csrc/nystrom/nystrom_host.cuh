@@ -307,14 +307,6 @@ inline bool side_stream_enabled() {
   return enabled;
 }
 
-// Landmark tile sets of the tensor-core dk/dv kernel (tc::KvSmem): two where a block's shared memory has room (the
-// next tile's copy in flight during this one); HFAB_NYSTROM_KV_SETS=1 takes one everywhere, as GPUs with less shared
-// memory do, for testing.
-inline bool kv_double_buffer_enabled() {
-  static const bool enabled = !env_is("HFAB_NYSTROM_KV_SETS", "1");  // read once per process
-  return enabled;
-}
-
 // Whether a tensor-core kernel needing `bytes` of dynamic shared memory runs (else its CUDA-core twin).
 inline bool on_tensor_cores(int bytes, const c10::Device& device) {
   return tensor_cores_enabled() && bytes <= shared_memory_limit(device);

@@ -406,35 +406,16 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bw
   }
 }
 
-// Q̃ and dW0 (fp32, (B Hq, m, D) each) in T's 16-bit halves once per backward, which the dk/dv kernel's blocks copy
-// by cp.async (each of its blocks split them itself before, loads exposed): halves (4, B Hq m, D) = Q̃ hi, Q̃ lo, dW0
-// hi, dW0 lo. Grid (ceil(quads / 256), 2: Q̃, dW0), 256 threads; quads = B Hq m D / 4.
-template <typename T>
-__global__ void nystrom_landmark_halves_kernel(const float* q_land, const float* dw0, uint16_t* halves,
-                                               long long quads) {
-  const long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
-  if (i >= quads) return;
-  const float4 x = __ldg(reinterpret_cast<const float4*>(blockIdx.y == 0 ? q_land : dw0) + i);
-  uint2 h, l;
-  split_pair<T>(x.x, x.y, h.x, l.x);
-  split_pair<T>(x.z, x.w, h.y, l.y);
-  uint2* const hi = reinterpret_cast<uint2*>(halves) + 2 * blockIdx.y * quads;
-  hi[i] = h;
-  hi[quads + i] = l;
-}
-
-// Dynamic shared memory of the dk/dv kernel: k, v [64][D + 8] T (the block's keys); then `sets` landmark tile sets,
-// each the landmarks hi, lo and dW0 hi, lo [kLand][D + 8] T of one q head's tile of kLand landmarks (32 at D 128,
-// where the two D-wide accumulators take 128 registers, else 64) and its lse3, rowdot [kLand] fp32. Two sets: the
-// next tile's copy is in flight during this one; one where a block's shared memory is short (sm_86 at D 128).
+// Dynamic shared memory of the dk/dv kernel: k, v [64][D + 8] T (the block's keys); landmarks hi, lo and dW0 hi, lo
+// [kLand][D + 8] T (one q head's tile of kLand landmarks: 32 at D 128, where the two D-wide accumulators take 128
+// registers, else 64); lse3, rowdot [kLand] fp32.
 template <int D> struct KvSmem {
   static constexpr int kLand = D == 128 ? 32 : 64;
   static constexpr int kRow = D + 8, kKeyTile = kK3Keys * kRow, kLandTile = kLand * kRow;
-  static constexpr int kSetBytes = 4 * kLandTile * 2 + 2 * kLand * 4;
-  static constexpr int bytes(int sets) { return 2 * kKeyTile * 2 + sets * kSetBytes; }
+  static constexpr int bytes = 2 * kKeyTile * 2 + 4 * kLandTile * 2 + 2 * kLand * 4;
 };
 
-// Grid (ceil(N / 64), Hkv, B), 128 threads, KvSmem<D>::bytes(bp.kv_sets) of shared memory.
+// Grid (ceil(N / 64), Hkv, B), 128 threads.
 template <typename T, int D>
 __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bwd_kernel(const BwdParams bp) {
   using S = KvSmem<D>;
@@ -442,7 +423,12 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* kt = reinterpret_cast<uint16_t*>(smem);
   uint16_t* vt = kt + S::kKeyTile;
-  unsigned char* const sets = reinterpret_cast<unsigned char*>(vt + S::kKeyTile);
+  uint16_t* lhi = vt + S::kKeyTile;
+  uint16_t* llo = lhi + S::kLandTile;
+  uint16_t* whi = llo + S::kLandTile;
+  uint16_t* wlo = whi + S::kLandTile;
+  float* lse = reinterpret_cast<float*>(wlo + S::kLandTile);
+  float* rd = lse + kLand;
   const Params& p = bp.p;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int j0 = blockIdx.x * kK3Keys, kvh = blockIdx.y, b = blockIdx.z;
@@ -469,61 +455,36 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
     mma::load_rows_async<kK3Keys, D, kK3Threads>(vt, static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h, p.sv.n,
                                                  j0, ok);
     const float scale_log2 = p.root * kLog2e;
-    const int ltiles = (p.m + kLand - 1) / kLand, tiles = p.groups * ltiles, nsets = bp.kv_sets;
-    const long long matrix = (long long)gridDim.z * p.hq * p.m * D;  // elements of each of the four halves (B Hq m D)
-    auto set = [&](int i) { return reinterpret_cast<uint16_t*>(sets + (i % nsets) * S::kSetBytes); };
-    // tile i: landmarks [l0, l0 + count) of the group's q head i / ltiles (the q heads in a fixed order), its four
-    // halves by cp.async (4 groups) and lse3, rowdot by plain loads into set i % nsets
-    auto load_tile = [&](int i) {
-      const long long bh = (long long)b * p.hq + kvh * p.groups + i / ltiles;
-      const int l0 = i % ltiles * kLand, count = min(p.m - l0, kLand);
-      uint16_t* const dst = set(i);
-      const uint16_t* src = bp.land_halves + (bh * p.m + l0) * D;
-#pragma unroll
-      for (int h = 0; h < 4; ++h, src += matrix)
-        mma::load_rows_async<kLand, D, kK3Threads>(dst + h * S::kLandTile, src, D, 0, [=](int r) { return r < count; });
-      float* const stats = reinterpret_cast<float*>(dst + 4 * S::kLandTile);
-      for (int c = threadIdx.x; c < kLand; c += kK3Threads) {
-        stats[c] = c < count ? bp.lse3[bh * p.m + l0 + c] : 0.f;
-        stats[kLand + c] = c < count ? bp.rowdot[bh * p.m + l0 + c] : 0.f;
-      }
-    };
-    if (nsets == 2) load_tile(0);
-    for (int i = 0; i < tiles; ++i) {
-      __syncthreads();  // every reader of the set the next copy overwrites is done
-      if (nsets == 1) {
-        load_tile(i);
-        mma::cp_async_wait_all();
-      } else if (i + 1 < tiles) {
-        load_tile(i + 1);
-        mma::cp_async_wait<4>();  // all but the next tile's four copies
-      } else {
-        mma::cp_async_wait_all();
-      }
-      __syncthreads();
-      const int count = min(p.m - i % ltiles * kLand, kLand);
-      const uint16_t* const lhi = set(i);
-      const uint16_t* const llo = lhi + S::kLandTile;
-      const uint16_t* const whi = llo + S::kLandTile;
-      const uint16_t* const wlo = whi + S::kLandTile;
-      const float* const lse = reinterpret_cast<const float*>(wlo + S::kLandTile);
-      const float* const rd = lse + kLand;
-      float s[kLand / 8][4], dp[kLand / 8][4];  // S3ᵀ = k Q̃ᵀ, dP3ᵀ = v dW0ᵀ (keys x landmarks)
-      const uint16_t* const halves[4] = {lhi, llo, whi, wlo};
-      scores_against_halves<T, D>(s, dp, kt, vt, halves, count, warp, lane);
-#pragma unroll
-      for (int c = 0; c < kLand / 8; ++c)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {  // key row g + 8 (e / 2), landmark column 8 c + 2 t + e % 2
-          const int col = 8 * c + 2 * t + (e & 1);
-          const float pr = col < count ? exp2f(fmaf(s[c][e], scale_log2, bias[e >> 1]) - lse[col]) : 0.f;
-          s[c][e] = pr;
-          dp[c][e] = pr * (dp[c][e] - rd[col]);
+    for (int hi = 0; hi < p.groups; ++hi) {  // the group's q heads in a fixed order
+      const long long bh = (long long)b * p.hq + kvh * p.groups + hi;
+      for (int l0 = 0; l0 < p.m; l0 += kLand) {
+        __syncthreads();  // the previous tile's readers are done
+        const int count = min(p.m - l0, kLand);
+        split_rows<T, D, kK3Threads>(p.q_land + (bh * p.m + l0) * D, count, kLand, lhi, llo);
+        split_rows<T, D, kK3Threads>(bp.dw0 + (bh * p.m + l0) * D, count, kLand, whi, wlo);
+        for (int c = threadIdx.x; c < kLand; c += kK3Threads) {
+          lse[c] = c < count ? bp.lse3[bh * p.m + l0 + c] : 0.f;
+          rd[c] = c < count ? bp.rowdot[bh * p.m + l0 + c] : 0.f;
         }
-      scale_rows<kLand / 8, D>(s, dv, dv_exps);
-      scale_rows<kLand / 8, D>(dp, dk, dk_exps);
-      halves_product<T, D, kLand / 8, true>(dv, s, whi, wlo, count, lane);   // K3ᵀ dW0
-      halves_product<T, D, kLand / 8, true>(dk, dp, lhi, llo, count, lane);  // dS3ᵀ Q̃
+        mma::cp_async_wait_all();  // k, v (the first tile only)
+        __syncthreads();
+        float s[kLand / 8][4], dp[kLand / 8][4];  // S3ᵀ = k Q̃ᵀ, dP3ᵀ = v dW0ᵀ (keys x landmarks)
+        const uint16_t* const halves[4] = {lhi, llo, whi, wlo};
+        scores_against_halves<T, D>(s, dp, kt, vt, halves, count, warp, lane);
+#pragma unroll
+        for (int c = 0; c < kLand / 8; ++c)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {  // key row g + 8 (e / 2), landmark column 8 c + 2 t + e % 2
+            const int col = 8 * c + 2 * t + (e & 1);
+            const float pr = col < count ? exp2f(fmaf(s[c][e], scale_log2, bias[e >> 1]) - lse[col]) : 0.f;
+            s[c][e] = pr;
+            dp[c][e] = pr * (dp[c][e] - rd[col]);
+          }
+        scale_rows<kLand / 8, D>(s, dv, dv_exps);
+        scale_rows<kLand / 8, D>(dp, dk, dk_exps);
+        halves_product<T, D, kLand / 8, true>(dv, s, whi, wlo, count, lane);   // K3ᵀ dW0
+        halves_product<T, D, kLand / 8, true>(dk, dp, lhi, llo, count, lane);  // dS3ᵀ Q̃
+      }
     }
     unscale_rows<D>(dv, dv_exps);
     unscale_rows<D>(dk, dk_exps);
