@@ -206,15 +206,13 @@ class SideStream {
   }
 
   // One pooled stream per device for every call: the caching allocator keeps its blocks per stream, so a new pool
-  // stream per call (they rotate through 32) would cudaMalloc afresh for its first 32 calls. High priority: the side
-  // work is a few blocks on the critical path, which the block scheduler would otherwise start only after the
-  // thousands of blocks of the caller's kernel enqueued beside it.
+  // stream per call (they rotate through 32) would cudaMalloc afresh for its first 32 calls.
   static c10::cuda::CUDAStream side_stream(c10::DeviceIndex device) {
     static std::mutex mutex;
     static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
     const std::lock_guard<std::mutex> lock(mutex);
     auto it = streams.find(device);
-    if (it == streams.end()) it = streams.emplace(device, c10::cuda::getStreamFromPool(true, device)).first;
+    if (it == streams.end()) it = streams.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
     return it->second;
   }
 
