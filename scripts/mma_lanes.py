@@ -55,6 +55,11 @@ def ldsm_x4(tile, addr):
     return regs
 
 
+def ldsm_x2(tile, addr):
+    """ldmatrix.x2: as ldsm_x4 for matrices 0 and 1; lanes 16..31's addresses are ignored."""
+    return ldsm_x4(tile, np.concatenate([addr[:16], addr[:16]]))[:2]
+
+
 def ldsm_x4_trans(tile, addr):
     """ldmatrix.x4.trans: as ldsm_x4 with each 8 x 8 matrix transposed (register i = matrix i's (row 2 (lane % 4) +
     {0, 1}, column lane // 4))."""

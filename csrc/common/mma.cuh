@@ -115,6 +115,36 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
+// Two 8x8 matrices, as ldsm_x4: lanes 0..15 give the row addresses (those of lanes 16..31 are ignored).
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+// m16n8k16 fragments of a row-major 16-bit tile in shared memory (`pitch` elements per row; the tile, pitch and k0
+// 16-byte multiples, as ldmatrix needs every row address aligned), in the layouts above: the registers that 32-bit
+// loads of each element pair give, from one ldmatrix instead of four (A) or two (B) loads (scripts/ldsm_fragments.py).
+// A: rows r0..r0 + 15, columns k0..k0 + 15.
+template <typename T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* tile, int pitch, int r0, int k0, int lane) {
+  ldsm_x4(a, tile + (r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * pitch + k0 + (lane >> 4) * 8);
+}
+// B of one n-tile of a [n][k] tile: rows (n) n0..n0 + 7, columns (k) k0..k0 + 15.
+template <typename T>
+__device__ __forceinline__ void load_b(uint32_t (&b)[2], const T* tile, int pitch, int n0, int k0, int lane) {
+  ldsm_x2(b, tile + (n0 + (lane & 7)) * pitch + k0 + ((lane >> 3) & 1) * 8);
+}
+// B of two n-tiles of a [n][k] tile, rows n0.. into b[0] and rows n1.. into b[1], columns k0..k0 + 15.
+template <typename T>
+__device__ __forceinline__ void load_b2(uint32_t (&b)[2][2], const T* tile, int pitch, int n0, int n1, int k0,
+                                        int lane) {
+  uint32_t r[4];
+  ldsm_x4(r, tile + ((lane >> 4 ? n1 : n0) + (lane & 7)) * pitch + k0 + ((lane >> 3) & 1) * 8);
+  b[0][0] = r[0];
+  b[0][1] = r[1];
+  b[1][0] = r[2];
+  b[1][1] = r[3];
+}
 
 // 16 bytes from global src to shared dst without passing through registers (cp.async, sm_80+); valid = false:
 // 16 zero bytes, src not read. Completes at cp_async_wait_all after cp_async_commit.
