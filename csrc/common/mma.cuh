@@ -103,12 +103,13 @@ template <> __device__ __forceinline__ void split<__nv_bfloat16>(float x, __nv_b
 
 // Four 8x8 16-bit matrices from shared memory: lane l gives the address of row (l % 8) of matrix l / 8; register i
 // holds matrix i's elements (row lane / 4, columns 2 (lane % 4) + {0, 1}). `_trans`: each matrix transposed.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* p) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
 }
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) { ldsm_x4(r[0], r[1], r[2], r[3], p); }
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -138,12 +139,27 @@ __device__ __forceinline__ void load_b(uint32_t (&b)[2], const T* tile, int pitc
 template <typename T>
 __device__ __forceinline__ void load_b2(uint32_t (&b)[2][2], const T* tile, int pitch, int n0, int n1, int k0,
                                         int lane) {
-  uint32_t r[4];
-  ldsm_x4(r, tile + ((lane >> 4 ? n1 : n0) + (lane & 7)) * pitch + k0 + ((lane >> 3) & 1) * 8);
-  b[0][0] = r[0];
-  b[0][1] = r[1];
-  b[1][0] = r[2];
-  b[1][1] = r[3];
+  const T* row = tile + ((lane >> 4 ? n1 : n0) + (lane & 7)) * pitch;
+  ldsm_x4(b[0][0], b[0][1], b[1][0], b[1][1], row + k0 + ((lane >> 3) & 1) * 8);
+}
+
+// fn(n, b) for the n-tiles n < min(NN, ncount) in order, b the B fragment of n-tile n (rows 8n..) of a [n][k] tile,
+// columns k0..k0 + 15: two n-tiles per ldmatrix.x4 where both are wanted, else one by .x2.
+template <int NN, typename T, typename Fn>
+__device__ __forceinline__ void for_each_b(const T* tile, int pitch, int k0, int ncount, int lane, Fn&& fn) {
+#pragma unroll
+  for (int n = 0; n < NN; n += 2) {
+    if (n + 1 < NN && n + 1 < ncount) {
+      uint32_t b[2][2];
+      load_b2(b, tile, pitch, 8 * n, 8 * n + 8, k0, lane);
+      fn(n, b[0]);
+      fn(n + 1, b[1]);
+    } else if (n < ncount) {  // a path of its own: a pair that either load may fill costs moves
+      uint32_t b[2];
+      load_b(b, tile, pitch, 8 * n, k0, lane);
+      fn(n, b);
+    }
+  }
 }
 
 // 16 bytes from global src to shared dst without passing through registers (cp.async, sm_80+); valid = false:

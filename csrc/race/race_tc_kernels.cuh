@@ -66,6 +66,8 @@ struct Tiles {
   static_assert(ks_vt_off % 16 == 0 && ks_ok_off % 16 == 0 && ks_xv_off % 16 == 0 && qo_st_off % 16 == 0 &&
                 st_off % 16 == 0 &&
                 bytes % 16 == 0 && x_bytes % 16 == 0, "16-byte aligned tiles");
+  static_assert(w_off % 16 == 0 && phq_off % 16 == 0 && phk_off % 16 == 0 && pkt_off % 16 == 0 && vt_off % 16 == 0 &&
+                kX % 8 == 0 && kT % 8 == 0, "ldmatrix: every row of the 16-bit tiles 16-byte aligned");
   static_assert(key_states_bytes <= st_off && query_out_bytes <= bytes, "packed layouts are smaller");
 
   T *x, *xk, *w, *pkt = nullptr, *vt = nullptr;  // xk: x of key rows (x itself but in kCausalOut)
@@ -172,19 +174,14 @@ __device__ __forceinline__ void project(const Params& p, const T* tile, const T*
 #pragma unroll
   for (int k0 = 0; k0 < D; k0 += 16) {
     uint32_t a[4];
-    a[0] = mma::ld32(tile + (r0 + g) * kX + k0 + 2 * t);
-    a[1] = mma::ld32(tile + (r0 + g + 8) * kX + k0 + 2 * t);
-    a[2] = mma::ld32(tile + (r0 + g) * kX + k0 + 2 * t + 8);
-    a[3] = mma::ld32(tile + (r0 + g + 8) * kX + k0 + 2 * t + 8);
+    mma::load_a(a, tile, kX, r0, k0, lane);
 #pragma unroll
     for (int nt = 0; nt < 3; ++nt) {
       if (nt * 8 >= p.lp) continue;
-#pragma unroll
-      for (int part = 0; part < 2; ++part) {
-        const T* wrow = w + (part * kLPMax + nt * 8 + g) * kX + k0 + 2 * t;
-        const uint32_t b[2] = {mma::ld32(wrow), mma::ld32(wrow + 8)};
-        mma::m16n8k16(acc[nt], a, b, T{});
-      }
+      uint32_t b[2][2];  // planes hi, lo
+      mma::load_b2(b, w, kX, nt * 8, kLPMax + nt * 8, k0, lane);
+      mma::m16n8k16(acc[nt], a, b[0], T{});
+      mma::m16n8k16(acc[nt], a, b[1], T{});
     }
   }
 #pragma unroll
@@ -297,21 +294,16 @@ __device__ __forceinline__ void features(const Params& p, const int* ok, const f
 // n0 + n < ncount (rows 8 (n0 + n).. of v^T).
 template <typename T, int NN>
 __device__ __forceinline__ void state_delta(const T* pkt, const T* vt, int n0, int ncount, float (&acc)[NN][4]) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
+  const int lane = threadIdx.x % 32, f0 = (threadIdx.x / 32) * 16;
 #pragma unroll
   for (int kk = 0; kk < kC / 16; ++kk) {
-#pragma unroll
-    for (int part = 0; part < 2; ++part) {
-      const T* base = pkt + (part * kS + f0 + g) * kT + kk * 16 + 2 * t;
-      const uint32_t a[4] = {mma::ld32(base), mma::ld32(base + 8 * kT), mma::ld32(base + 8), mma::ld32(base + 8 * kT + 8)};
-#pragma unroll
-      for (int n = 0; n < NN; ++n) {
-        if (n0 + n >= ncount) continue;
-        const T* vrow = vt + ((n0 + n) * 8 + g) * kT + kk * 16 + 2 * t;
-        const uint32_t b[2] = {mma::ld32(vrow), mma::ld32(vrow + 8)};
-        mma::m16n8k16(acc[n], a, b, T{});
-      }
-    }
+    uint32_t hi[4], lo[4];  // phi(k) in T halves
+    mma::load_a(hi, pkt, kT, f0, kk * 16, lane);
+    mma::load_a(lo, pkt, kT, kS + f0, kk * 16, lane);
+    mma::for_each_b<NN>(vt + n0 * 8 * kT, kT, kk * 16, ncount - n0, lane, [&](int n, const uint32_t (&b)[2]) {
+      mma::m16n8k16(acc[n], hi, b, T{});
+      mma::m16n8k16(acc[n], lo, b, T{});
+    });
   }
 }
 
@@ -403,17 +395,13 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_state_fwd_kernel(const
 
 // sc[n] += a b^T over the kS features: the warp's 16 rows of a times rows [8n, 8n + 8) of b (fp16 [64][kT] tiles).
 __device__ __forceinline__ void scores(const __half* a, const __half* b, float (&sc)[kC / 8][4]) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+  const int lane = threadIdx.x % 32, r0 = (threadIdx.x / 32) * 16;
 #pragma unroll
   for (int kk = 0; kk < kS / 16; ++kk) {
-    const __half* base = a + (r0 + g) * kT + kk * 16 + 2 * t;
-    const uint32_t ar[4] = {mma::ld32(base), mma::ld32(base + 8 * kT), mma::ld32(base + 8), mma::ld32(base + 8 * kT + 8)};
-#pragma unroll
-    for (int n = 0; n < kC / 8; ++n) {
-      const __half* brow = b + (n * 8 + g) * kT + kk * 16 + 2 * t;
-      const uint32_t br[2] = {mma::ld32(brow), mma::ld32(brow + 8)};
-      mma::m16n8k16(sc[n], ar, br, __half{});
-    }
+    uint32_t ar[4];
+    mma::load_a(ar, a, kT, r0, kk * 16, lane);
+    mma::for_each_b<kC / 8>(b, kT, kk * 16, kC / 8, lane,
+                            [&](int n, const uint32_t (&br)[2]) { mma::m16n8k16(sc[n], ar, br, __half{}); });
   }
 }
 
@@ -454,13 +442,10 @@ __device__ __forceinline__ void masked_scores_times_v(const Tiles<T, D>& s, floa
   for (int kk = 0; kk < kC / 16; ++kk) {
     uint32_t hi[4], lo[4];
     split_a<T>(sc, kk, kOne, hi, lo);
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      const T* vrow = s.vt + (n * 8 + g) * kT + kk * 16 + 2 * t;
-      const uint32_t b[2] = {mma::ld32(vrow), mma::ld32(vrow + 8)};
+    mma::for_each_b<kN>(s.vt, kT, kk * 16, kN, lane, [&](int n, const uint32_t (&b)[2]) {
       mma::m16n8k16(acc[n], hi, b, T{});
       mma::m16n8k16(acc[n], lo, b, T{});
-    }
+    });
   }
 }
 
