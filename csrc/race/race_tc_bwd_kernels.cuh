@@ -142,19 +142,21 @@ __device__ __forceinline__ void rows_dot(const T* a, const T* b, float (&acc)[kC
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
 #pragma unroll
   for (int k0 = 0; k0 < D; k0 += 16) {
-    uint32_t ar[4];
-    mma::load_a(ar, a, kX, r0, k0, lane);
-    if constexpr (B_T) {
+    const T* base = a + (r0 + g) * kX + k0 + 2 * t;
+    const uint32_t ar[4] = {mma::ld32(base), mma::ld32(base + 8 * kX), mma::ld32(base + 8), mma::ld32(base + 8 * kX + 8)};
 #pragma unroll
-      for (int n = 0; n < kC / 8; ++n) {  // B register e: k = k0 + 2t + 8e and the next, n = 8n + g
+    for (int n = 0; n < kC / 8; ++n) {
+      uint32_t br[2];
+      if (B_T) {  // B register e: k = k0 + 2t + 8e and the next, n = 8n + g
         const T* col = b + (k0 + 2 * t) * kT + n * 8 + g;
-        const uint32_t br[2] = {mma::pack2<T>(to_float(col[0]), to_float(col[kT])),
-                                mma::pack2<T>(to_float(col[8 * kT]), to_float(col[9 * kT]))};
-        mma::m16n8k16(acc[n], ar, br, T{});
+        br[0] = mma::pack2<T>(to_float(col[0]), to_float(col[kT]));
+        br[1] = mma::pack2<T>(to_float(col[8 * kT]), to_float(col[9 * kT]));
+      } else {
+        const T* brow = b + (n * 8 + g) * kX + k0 + 2 * t;
+        br[0] = mma::ld32(brow);
+        br[1] = mma::ld32(brow + 8);
       }
-    } else {
-      mma::for_each_b<kC / 8>(b, kX, k0, kC / 8, lane,
-                              [&](int n, const uint32_t (&br)[2]) { mma::m16n8k16(acc[n], ar, br, T{}); });
+      mma::m16n8k16(acc[n], ar, br, T{});
     }
   }
 }
@@ -166,7 +168,7 @@ __device__ __forceinline__ void rows_dot(const T* a, const T* b, float (&acc)[kC
 template <typename T, int NN>
 __device__ __forceinline__ void split_product(const float (&x)[kC / 8][4], const T* b, const T* b_lo, int ncount,
                                               float (&acc)[NN][4]) {
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   float mx[2] = {0.f, 0.f};
 #pragma unroll
   for (int n = 0; n < kC / 8; ++n)
@@ -185,15 +187,19 @@ __device__ __forceinline__ void split_product(const float (&x)[kC / 8][4], const
   for (int kk = 0; kk < kC / 16; ++kk) {
     uint32_t hi[4], lo[4];
     split_a<T>(x, kk, scale, hi, lo);
-    mma::for_each_b<NN>(b, kT, kk * 16, ncount, lane, [&](int n, const uint32_t (&bhi)[2]) {
+#pragma unroll
+    for (int n = 0; n < NN; ++n) {
+      if (n >= ncount) continue;
+      const T* brow = b + (n * 8 + g) * kT + kk * 16 + 2 * t;
+      const uint32_t bhi[2] = {mma::ld32(brow), mma::ld32(brow + 8)};
       mma::m16n8k16(acc[n], hi, bhi, T{});
       if (b_lo != nullptr) {
-        uint32_t blo[2];
-        mma::load_b(blo, b_lo, kT, n * 8, kk * 16, lane);
+        const T* lrow = b_lo + (n * 8 + g) * kT + kk * 16 + 2 * t;
+        const uint32_t blo[2] = {mma::ld32(lrow), mma::ld32(lrow + 8)};
         mma::m16n8k16(acc[n], hi, blo, T{});
       }
       mma::m16n8k16(acc[n], lo, bhi, T{});
-    });
+    }
   }
 #pragma unroll
   for (int n = 0; n < NN; ++n)
