@@ -5,9 +5,10 @@
 // kv head h / groups), out = softmax(s) v, lse = logsumexp(s) (fp32, -inf and out = 0 for rows with
 // no allowed key). Softmax and every accumulation in fp32; scores in base 2 (exp2, scale * log2 e).
 //
-// Kernels (256 threads, tiles in static shared memory <= 48 KB, fp32 accumulators in registers; for
-// D = 32, 64 each warp owns 8 rows of the block and lanes split D, then a reduce-scatter (version 3,
-// csrc/exact/NOTES.md); for D = 128 a 16 x 16 thread grid of register blocks (version 2)):
+// Kernels (256 threads, tiles in static shared memory <= 48 KB, fp32 accumulators in registers; in the
+// forward, and in the backward for D = 32, 64, each warp owns 8 rows of the block and lanes split D, then a
+// reduce-scatter (version 3, csrc/exact/NOTES.md); the D = 128 backward uses a 16 x 16 thread grid of register
+// blocks (version 2)):
 //   exact_attn_fwd_kernel   one block per (query block, q head, batch), streams key/value tiles,
 //                           online softmax; causal blocks stop at the diagonal (upper triangle skipped)
 //   exact_delta_bwd_kernel  delta = rowsum(dO * O), one warp per row
@@ -53,8 +54,7 @@ struct Params {
 // Tile shapes per head dim, and which tiles are staged in fp32 (FTile: no conversion per use, twice the
 // bytes), chosen so each kernel's static shared memory stays <= 48 KB (scripts/nvrtc_check.py checks).
 template <int D> struct FwdTiles {
-  static constexpr int BQ = D <= 64 ? 64 : 32, BK = D == 32 ? 64 : 32;
-  static constexpr bool kQ32 = true, kK32 = true, kV32 = D <= 64;
+  static constexpr int BQ = 64, BK = D == 32 ? 64 : D == 64 ? 32 : 16;
 };
 template <int D> struct DqTiles {
   static constexpr int BQ = D <= 64 ? 64 : 32, BK = D == 64 ? 16 : 32;
@@ -82,90 +82,7 @@ __device__ __forceinline__ void key_bias(float (&bias)[BK], const Params& p, int
   }
 }
 
-// Forward, version 2 (D = 128): a 16 x 16 thread grid, TR x TC score blocks read along D.
-template <typename T, int D, int BQ, int BK>
-__device__ __forceinline__ void attn_fwd_grid(const Params& p) {
-  using Cfg = FwdTiles<D>;
-  constexpr int TR = BQ / 16, TC = BK / 16, TD = D / 32;
-  __shared__ TileOf<Cfg::kQ32, BQ, D> qs;
-  __shared__ TileOf<Cfg::kK32, BK, D> ks;
-  __shared__ TileOf<Cfg::kV32, BK, D> vs;
-  __shared__ ScoreTile<BQ, BK> ps;
-  __shared__ float bias[BK];
-
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;  // longest causal blocks first
-  const int h = blockIdx.y, b = blockIdx.z, g = h / p.groups;
-  const int offset = p.nk - p.nq;
-  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
-  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h;
-  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h;
-
-  load_tile(qs, q, p.sq.n, q0, p.nq);
-  float m[TR], l[TR];  // running max (base-2 scaled scores) and this thread's part of the row sum
-  float2 o[TR][TD];
-#pragma unroll
-  for (int i = 0; i < TR; ++i) {
-    m[i] = -inf();
-    l[i] = 0.f;
-#pragma unroll
-    for (int c = 0; c < TD; ++c) o[i][c] = make_float2(0.f, 0.f);
-  }
-
-  const int kend = key_end(p, q0, BQ);
-  for (int k0 = 0; k0 < kend; k0 += BK) {
-    __syncthreads();  // the previous tile's readers are done
-    load_tiles(ks, k, p.sk.n, vs, v, p.sv.n, k0, p.nk);
-    key_bias(bias, p, b, k0);
-    __syncthreads();
-
-    float s[TR][TC];
-    tile_dot<T>(s, qs, ks, ty, tx);
-#pragma unroll
-    for (int i = 0; i < TR; ++i) {
-      const int row = q0 + ty * TR + i;
-      float tile_max = -inf();
-#pragma unroll
-      for (int j = 0; j < TC; ++j) {
-        const int col = k0 + tx + 16 * j;
-        float x = fmaf(s[i][j], p.scale_log2, bias[tx + 16 * j]);
-        if (p.causal && col > row + offset) x = -inf();
-        s[i][j] = x;
-        tile_max = fmaxf(tile_max, x);
-      }
-      const float m_new = fmaxf(m[i], halfwarp_max(tile_max));
-      const float m_use = m_new == -inf() ? 0.f : m_new;  // no allowed key yet: keep everything 0
-      const float alpha = exp2f(m[i] - m_use);
-      m[i] = m_new;
-      l[i] *= alpha;
-#pragma unroll
-      for (int c = 0; c < TD; ++c) {
-        o[i][c].x *= alpha;
-        o[i][c].y *= alpha;
-      }
-#pragma unroll
-      for (int j = 0; j < TC; ++j) {
-        const float pij = exp2f(s[i][j] - m_use);
-        l[i] += pij;
-        ps.v[ty * TR + i][tx + 16 * j] = pij;
-      }
-    }
-    __syncthreads();
-    tile_accumulate<T>(o, ps, vs, ty, tx);
-  }
-
-  const long long row_base = ((long long)b * p.hq + h) * p.nq;
-#pragma unroll
-  for (int i = 0; i < TR; ++i) {
-    const float sum = halfwarp_sum(l[i]);
-    const int row = q0 + ty * TR + i;
-    if (row >= p.nq) continue;
-    store_row<T>(static_cast<T*>(p.o) + (row_base + row) * D, o[i], sum > 0.f ? 1.f / sum : 0.f, tx);
-    if (tx == 0) p.lse_out[row_base + row] = sum > 0.f ? (m[i] + log2f(sum)) * kLn2 : -inf();
-  }
-}
-
-// Version 3 building blocks (D = 32, 64): a warp owns 8 rows of a block; see the kernels below.
+// Version 3 building blocks: a warp owns 8 rows of a block; see the kernels below.
 
 // Elements [4c, 4c + 4) of row `row` (zero for row >= n) of a matrix with rows `stride` elements apart.
 template <typename T>
@@ -233,10 +150,60 @@ __device__ __forceinline__ void store_quads(float (&t)[ROWS][LB], const uint2 (&
   }
 }
 
-// Forward, version 3 (D = 32, 64; NOTES.md "Version 3"): warp w owns query rows [8w, 8w + 8) of the
+// The forward's K^T (d-major) and V tiles: fp32 for D <= 64; for D = 128 the 16-bit elements as loaded (fp32 Q
+// alone takes 32 KB there), converted per use: 4 conversions per 32 FFMA in S and in P V.
+template <typename T, int D, int BK, bool F16 = (D > 64)> struct FwdKV;
+
+template <typename T, int D, int BK> struct FwdKV<T, D, BK, false> {
+  float kt[D][BK];
+  float vs[BK][D];
+  __device__ __forceinline__ void put_k(int key, int d0, uint4 x) {  // elements d0 .. d0 + 7 of a key
+    const float2 e[4] = {Pair<T>::to_float2(x.x), Pair<T>::to_float2(x.y), Pair<T>::to_float2(x.z),
+                         Pair<T>::to_float2(x.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      kt[d0 + 2 * i][key] = e[i].x;
+      kt[d0 + 2 * i + 1][key] = e[i].y;
+    }
+  }
+  template <int QUADS> __device__ __forceinline__ void put_v(const uint2 (&reg)[QUADS]) {
+    store_quads<T, QUADS, D>(vs, reg);
+  }
+  __device__ __forceinline__ float4 k4(int d, int c) const { return *reinterpret_cast<const float4*>(&kt[d][c]); }
+  __device__ __forceinline__ float4 v4(int r, int c) const { return *reinterpret_cast<const float4*>(&vs[r][c]); }
+};
+
+template <typename T, int D, int BK> struct FwdKV<T, D, BK, true> {
+  static constexpr int kPitch = BK + 4;  // K^T rows 4 apart (the next lane group) start 8 banks apart
+  unsigned short kt[D][kPitch];
+  unsigned short vs[BK][D];
+  __device__ __forceinline__ void put_k(int key, int d0, uint4 x) {
+    const unsigned w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      kt[d0 + 2 * i][key] = static_cast<unsigned short>(w[i] & 0xffffu);
+      kt[d0 + 2 * i + 1][key] = static_cast<unsigned short>(w[i] >> 16);
+    }
+  }
+  template <int QUADS> __device__ __forceinline__ void put_v(const uint2 (&reg)[QUADS]) {
+#pragma unroll
+    for (int i = 0; i < QUADS; ++i) {
+      const int c = threadIdx.x + i * kTileThreads;  // a warp: one row
+      *reinterpret_cast<uint2*>(&vs[c / (D / 4)][c % (D / 4) * 4]) = reg[i];
+    }
+  }
+  __device__ __forceinline__ float4 k4(int d, int c) const { return widen(*reinterpret_cast<const uint2*>(&kt[d][c])); }
+  __device__ __forceinline__ float4 v4(int r, int c) const { return widen(*reinterpret_cast<const uint2*>(&vs[r][c])); }
+  static __device__ __forceinline__ float4 widen(uint2 w) {
+    const float2 a = Pair<T>::to_float2(w.x), b = Pair<T>::to_float2(w.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
+};
+
+// Forward, version 3 (every D; NOTES.md "Version 3"): warp w owns query rows [8w, 8w + 8) of the
 // block, so a row's softmax state, its probabilities and its output never leave the warp.
 //   S = Q K^T: lane (cg, ds) = (lane % NCG, lane / NCG) computes rows 0..7 x keys [4cg, 4cg + 4) over
-//     the float4 dim groups ds + NDS u from d-major fp32 copies of Q (swizzled, row_col) and K; a
+//     the float4 dim groups ds + NDS u from d-major copies of Q (fp32, swizzled, row_col) and K (FwdKV); a
 //     reduce-scatter over ds leaves it RL = 8 / NDS whole rows (ds RL .. ds RL + RL - 1) of those keys.
 //   O += P V: lane (dg, kh) = (lane % NDG, lane / NDG) accumulates rows 0..7 x columns [4dg, 4dg + 4)
 //     over keys [kh KPH, kh KPH + KPH) of each tile; the kh partial sums are added once at the end.
@@ -258,8 +225,7 @@ __device__ __forceinline__ void attn_fwd_warp_rows(const Params& p) {
   static_assert(W::BQ == BQ, "FwdTiles<D>::BQ must be 8 rows per warp");
   constexpr int NCG = W::NCG, NDS = W::NDS, RL = W::RL, NDG = W::NDG, NKH = W::NKH, KPH = W::KPH;
   __shared__ __align__(16) float qt[D][BQ];  // Q^T, rows swizzled by row_col
-  __shared__ __align__(16) float kt[D][BK];  // K^T
-  __shared__ __align__(16) float vs[BK][D];
+  __shared__ __align__(16) FwdKV<T, D, BK> kv;  // K^T, V
   __shared__ __align__(16) float ps[BQ][BK];  // probabilities; rows 8w..8w+7 belong to warp w
   __shared__ __align__(16) float bias[BK];
 
@@ -307,19 +273,10 @@ __device__ __forceinline__ void attn_fwd_warp_rows(const Params& p) {
     __syncthreads();  // every warp is done with the previous K, V tile
 #pragma unroll
     for (int i = 0; i < W::KCH; ++i) {
-      const int c = threadIdx.x + i * kTileThreads, key = c % BK, d0 = c / BK * 8;
-      const float2 e0 = Pair<T>::to_float2(kreg[i].x), e1 = Pair<T>::to_float2(kreg[i].y);
-      const float2 e2 = Pair<T>::to_float2(kreg[i].z), e3 = Pair<T>::to_float2(kreg[i].w);
-      kt[d0][key] = e0.x;
-      kt[d0 + 1][key] = e0.y;
-      kt[d0 + 2][key] = e1.x;
-      kt[d0 + 3][key] = e1.y;
-      kt[d0 + 4][key] = e2.x;
-      kt[d0 + 5][key] = e2.y;
-      kt[d0 + 6][key] = e3.x;
-      kt[d0 + 7][key] = e3.y;
+      const int c = threadIdx.x + i * kTileThreads;
+      kv.put_k(c % BK, c / BK * 8, kreg[i]);
     }
-    store_quads<T, W::VCH, D>(vs, vreg);
+    kv.put_v(vreg);
     if (threadIdx.x < BK) bias[threadIdx.x] = key_ok ? 0.f : -inf();
     __syncthreads();
 
@@ -334,9 +291,9 @@ __device__ __forceinline__ void attn_fwd_warp_rows(const Params& p) {
       const int d = 4 * (ds + NDS * (dd / 4)) + dd % 4;
       const float4 qa = *reinterpret_cast<const float4*>(&qt[d][r0]);
       const float4 qb = *reinterpret_cast<const float4*>(&qt[d][r0 + 4]);
-      const float4 kv = *reinterpret_cast<const float4*>(&kt[d][4 * cg]);
+      const float4 kd = kv.k4(d, 4 * cg);
       const float qr[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-      const float kc[4] = {kv.x, kv.y, kv.z, kv.w};
+      const float kc[4] = {kd.x, kd.y, kd.z, kd.w};
 #pragma unroll
       for (int i = 0; i < 8; ++i)
 #pragma unroll
@@ -395,7 +352,7 @@ __device__ __forceinline__ void attn_fwd_warp_rows(const Params& p) {
       for (int r = 0; r < 8; ++r) pr[r] = *reinterpret_cast<const float4*>(&ps[r0 + r][kq]);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        const float4 vv = *reinterpret_cast<const float4*>(&vs[kq + kk][4 * dg]);
+        const float4 vv = kv.v4(kq + kk, 4 * dg);
 #pragma unroll
         for (int r = 0; r < 8; ++r) {
           const float pk = kk == 0 ? pr[r].x : kk == 1 ? pr[r].y : kk == 2 ? pr[r].z : pr[r].w;
@@ -442,8 +399,7 @@ __device__ __forceinline__ void attn_fwd_warp_rows(const Params& p) {
 
 template <typename T, int D, int BQ, int BK>
 __global__ void __launch_bounds__(kTileThreads, 2) exact_attn_fwd_kernel(const Params p) {
-  if constexpr (D <= 64) attn_fwd_warp_rows<T, D, BQ, BK>(p);
-  else attn_fwd_grid<T, D, BQ, BK>(p);
+  attn_fwd_warp_rows<T, D, BQ, BK>(p);
 }
 
 // delta[row] = sum_d dO[row, d] * O[row, d] in fp32. Grid (ceil(Hq Nq / 8), B): one warp per (head, row).
