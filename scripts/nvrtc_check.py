@@ -30,7 +30,7 @@ SMEM_LIMIT = 48 * 1024
 # Mirrors csrc/exact/exact_kernels.cuh: FwdTiles, DqTiles, DkvTiles.
 TILES = {32: dict(fwd=(64, 64), dq=(64, 32), dkv=(64, 32)),
          64: dict(fwd=(64, 32), dq=(64, 16), dkv=(64, 16)),
-         128: dict(fwd=(64, 16), dq=(32, 32), dkv=(32, 32))}
+         128: dict(fwd=(64, 16), dq=(64, 16), dkv=(64, 16))}
 DTYPES = ("__half", "__nv_bfloat16")
 
 

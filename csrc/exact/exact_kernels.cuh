@@ -57,11 +57,11 @@ template <int D> struct FwdTiles {
   static constexpr int BQ = 64, BK = D == 32 ? 64 : D == 64 ? 32 : 16;
 };
 template <int D> struct DqTiles {
-  static constexpr int BQ = D <= 64 ? 64 : 32, BK = D == 64 ? 16 : 32;
+  static constexpr int BQ = 64, BK = D == 32 ? 32 : 16;
   static constexpr bool kQ32 = D <= 64, kK32 = true, kV32 = D <= 64;  // kQ32: q and dO
 };
 template <int D> struct DkvTiles {
-  static constexpr int BK = D <= 64 ? 64 : 32, BQ = D == 64 ? 16 : 32;
+  static constexpr int BK = 64, BQ = D == 32 ? 32 : 16;
   static constexpr bool kK32 = D <= 64, kQ32 = D <= 64, kDo32 = D <= 64;  // kK32: k and v
 };
 
@@ -84,6 +84,29 @@ __device__ __forceinline__ void key_bias(float (&bias)[BK], const Params& p, int
 
 // Version 3 building blocks: a warp owns 8 rows of a block; see the kernels below.
 
+// Element type of a version-3 tile: fp32 (converted once when staged) for D <= 64; for D = 128, where fp32 tiles
+// would pass 48 KB, the 16-bit elements as loaded, converted per use.
+template <int D> using Elem = typename Select<(D <= 64), float, unsigned short>::type;
+
+// Four consecutive elements of a tile as fp32 (16-byte aligned for fp32, 8-byte for 16-bit).
+template <typename T> __device__ __forceinline__ float4 ld4(const float* x) { return *reinterpret_cast<const float4*>(x); }
+template <typename T> __device__ __forceinline__ float4 ld4(const unsigned short* x) {
+  const uint2 w = *reinterpret_cast<const uint2*>(x);
+  const float2 a = Pair<T>::to_float2(w.x), b = Pair<T>::to_float2(w.y);
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// The two 16-bit elements of word w (the lower first) into two tile entries.
+template <typename T> __device__ __forceinline__ void put_pair(float& lo, float& hi, unsigned w) {
+  const float2 e = Pair<T>::to_float2(w);
+  lo = e.x;
+  hi = e.y;
+}
+template <typename T> __device__ __forceinline__ void put_pair(unsigned short& lo, unsigned short& hi, unsigned w) {
+  lo = static_cast<unsigned short>(w & 0xffffu);
+  hi = static_cast<unsigned short>(w >> 16);
+}
+
 // Elements [4c, 4c + 4) of row `row` (zero for row >= n) of a matrix with rows `stride` elements apart.
 template <typename T>
 __device__ __forceinline__ uint2 load_quad(const T* base, long long stride, int row, int c, int n) {
@@ -98,23 +121,18 @@ __device__ __forceinline__ uint2 load_quad(const T* base, long long stride, int 
 template <int NDS, int RL>
 __device__ __forceinline__ int row_col(int r, int d) { return (r & ~7) | ((r & 7) ^ (RL * (d / 4 % NDS))); }
 
-// Rows [row0, row0 + BR) of a (rows, D) matrix into t, d-major and swizzled by row_col; rows >= n are 0.
-template <int NDS, int RL, int D, int BR, typename T>
-__device__ __forceinline__ void stage_stationary(float (&t)[D][BR], const T* base, long long stride, int row0, int n) {
+// Rows [row0, row0 + BR) of a (rows, D) matrix into t (row pitch BRP >= BR), d-major and swizzled by row_col;
+// rows >= n are 0.
+template <int NDS, int RL, int BR, int D, int BRP, typename E, typename T>
+__device__ __forceinline__ void stage_stationary(E (&t)[D][BRP], const T* base, long long stride, int row0, int n) {
   for (int c = threadIdx.x; c < BR * D / 8; c += kTileThreads) {  // a warp: 32 rows, one chunk
     const int r = c % BR, d0 = c / BR * 8;
     const uint4 x = load_chunk(base, stride, row0 + r, c / BR, n);
-    const float2 e0 = Pair<T>::to_float2(x.x), e1 = Pair<T>::to_float2(x.y);
-    const float2 e2 = Pair<T>::to_float2(x.z), e3 = Pair<T>::to_float2(x.w);
     const int c0 = row_col<NDS, RL>(r, d0), c1 = row_col<NDS, RL>(r, d0 + 4);
-    t[d0][c0] = e0.x;
-    t[d0 + 1][c0] = e0.y;
-    t[d0 + 2][c0] = e1.x;
-    t[d0 + 3][c0] = e1.y;
-    t[d0 + 4][c1] = e2.x;
-    t[d0 + 5][c1] = e2.y;
-    t[d0 + 6][c1] = e3.x;
-    t[d0 + 7][c1] = e3.y;
+    put_pair<T>(t[d0][c0], t[d0 + 1][c0], x.x);
+    put_pair<T>(t[d0 + 2][c0], t[d0 + 3][c0], x.y);
+    put_pair<T>(t[d0 + 4][c1], t[d0 + 5][c1], x.z);
+    put_pair<T>(t[d0 + 6][c1], t[d0 + 7][c1], x.w);
   }
 }
 
@@ -150,54 +168,32 @@ __device__ __forceinline__ void store_quads(float (&t)[ROWS][LB], const uint2 (&
   }
 }
 
-// The forward's K^T (d-major) and V tiles: fp32 for D <= 64; for D = 128 the 16-bit elements as loaded (fp32 Q
-// alone takes 32 KB there), converted per use: 4 conversions per 32 FFMA in S and in P V.
-template <typename T, int D, int BK, bool F16 = (D > 64)> struct FwdKV;
-
-template <typename T, int D, int BK> struct FwdKV<T, D, BK, false> {
-  float kt[D][BK];
-  float vs[BK][D];
-  __device__ __forceinline__ void put_k(int key, int d0, uint4 x) {  // elements d0 .. d0 + 7 of a key
-    const float2 e[4] = {Pair<T>::to_float2(x.x), Pair<T>::to_float2(x.y), Pair<T>::to_float2(x.z),
-                         Pair<T>::to_float2(x.w)};
+template <typename T, int QUADS, int D, int ROWS, int LB>
+__device__ __forceinline__ void store_quads(unsigned short (&t)[ROWS][LB], const uint2 (&reg)[QUADS]) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      kt[d0 + 2 * i][key] = e[i].x;
-      kt[d0 + 2 * i + 1][key] = e[i].y;
-    }
+  for (int i = 0; i < QUADS; ++i) {
+    const int c = threadIdx.x + i * kTileThreads;
+    *reinterpret_cast<uint2*>(&t[c / (D / 4)][c % (D / 4) * 4]) = reg[i];
+  }
+}
+
+// The forward's K^T (d-major) and V tiles (Elem: 16-bit for D = 128, where fp32 Q alone takes 32 KB).
+template <typename T, int D, int BK> struct FwdKV {
+  using E = Elem<D>;
+  static constexpr int kPitch = D <= 64 ? BK : BK + 4;  // 16-bit K^T rows 4 apart (the next lane group) 8 banks apart
+  E kt[D][kPitch];
+  E vs[BK][D];
+  __device__ __forceinline__ void put_k(int key, int d0, uint4 x) {  // elements d0 .. d0 + 7 of a key
+    put_pair<T>(kt[d0][key], kt[d0 + 1][key], x.x);
+    put_pair<T>(kt[d0 + 2][key], kt[d0 + 3][key], x.y);
+    put_pair<T>(kt[d0 + 4][key], kt[d0 + 5][key], x.z);
+    put_pair<T>(kt[d0 + 6][key], kt[d0 + 7][key], x.w);
   }
   template <int QUADS> __device__ __forceinline__ void put_v(const uint2 (&reg)[QUADS]) {
     store_quads<T, QUADS, D>(vs, reg);
   }
-  __device__ __forceinline__ float4 k4(int d, int c) const { return *reinterpret_cast<const float4*>(&kt[d][c]); }
-  __device__ __forceinline__ float4 v4(int r, int c) const { return *reinterpret_cast<const float4*>(&vs[r][c]); }
-};
-
-template <typename T, int D, int BK> struct FwdKV<T, D, BK, true> {
-  static constexpr int kPitch = BK + 4;  // K^T rows 4 apart (the next lane group) start 8 banks apart
-  unsigned short kt[D][kPitch];
-  unsigned short vs[BK][D];
-  __device__ __forceinline__ void put_k(int key, int d0, uint4 x) {
-    const unsigned w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      kt[d0 + 2 * i][key] = static_cast<unsigned short>(w[i] & 0xffffu);
-      kt[d0 + 2 * i + 1][key] = static_cast<unsigned short>(w[i] >> 16);
-    }
-  }
-  template <int QUADS> __device__ __forceinline__ void put_v(const uint2 (&reg)[QUADS]) {
-#pragma unroll
-    for (int i = 0; i < QUADS; ++i) {
-      const int c = threadIdx.x + i * kTileThreads;  // a warp: one row
-      *reinterpret_cast<uint2*>(&vs[c / (D / 4)][c % (D / 4) * 4]) = reg[i];
-    }
-  }
-  __device__ __forceinline__ float4 k4(int d, int c) const { return widen(*reinterpret_cast<const uint2*>(&kt[d][c])); }
-  __device__ __forceinline__ float4 v4(int r, int c) const { return widen(*reinterpret_cast<const uint2*>(&vs[r][c])); }
-  static __device__ __forceinline__ float4 widen(uint2 w) {
-    const float2 a = Pair<T>::to_float2(w.x), b = Pair<T>::to_float2(w.y);
-    return make_float4(a.x, a.y, b.x, b.y);
-  }
+  __device__ __forceinline__ float4 k4(int d, int c) const { return ld4<T>(&kt[d][c]); }
+  __device__ __forceinline__ float4 v4(int r, int c) const { return ld4<T>(&vs[r][c]); }
 };
 
 // Forward, version 3 (every D; NOTES.md "Version 3"): warp w owns query rows [8w, 8w + 8) of the
@@ -239,7 +235,7 @@ __device__ __forceinline__ void attn_fwd_warp_rows(const Params& p) {
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h;
 
-  stage_stationary<NDS, RL>(qt, q, p.sq.n, q0, p.nq);
+  stage_stationary<NDS, RL, BQ>(qt, q, p.sq.n, q0, p.nq);
 
   float m[RL], l[RL];  // running max (base-2 scaled scores) and this lane's part of the row sum
   float o[8][4];
@@ -443,15 +439,19 @@ template <int D, int BN> struct BwdWarpShape {
   static constexpr int NDG = D / 4, NKH = 32 / NDG, KPH = BN / NKH;
   // float4 reads of rows c + NCG j by 8 lanes are conflict-free when LB / 4 is odd (NCG >= 8), or
   // == 2 mod 8 (NCG == 4: a phase holds 4 values of cg and 2 of ds, whose dim groups are adjacent)
-  static constexpr int LB = D + (NCG == 4 ? 8 : 4);
+  // 16-bit rows (D = 128, NCG == 4): 8-byte reads by 16 lanes (4 cg x 4 ds) conflict-free when LB / 2 == 8 mod 32
+  static constexpr int LB = D <= 64 ? D + (NCG == 4 ? 8 : 4) : D + 16;
+  // d-major stationary rows: 16-bit ones padded so that the dims 4 apart (lane groups ds, ds + 1) sit 8 banks apart
+  static constexpr int BRP = D <= 64 ? BR : BR + 4;
+  using E = Elem<D>;
   static constexpr int QUADS = BN * D / 4 / kTileThreads;  // 8-byte chunks per thread of one streamed tile
   static_assert(NCG * NDS == 32 && NDS <= kRows && NF >= 1 && NDG * NKH == 32 && KPH % 4 == 0, "lane layout");
   static_assert(QUADS * 4 * kTileThreads == BN * D, "streamed tile");
 };
 
 // s[i][j] = sum over this lane's dims of A[r0 + (i ^ RL ds)][d] * B[cg + NCG j][d]   (A: stationary, B: streamed)
-template <int NCG, int NDS, int NF, int D, int BR, int BN, int LB>
-__device__ __forceinline__ void warp_rows_dot(float (&s)[8][4], const float (&at)[D][BR], const float (&b)[BN][LB],
+template <typename T, int NCG, int NDS, int NF, int D, int BRP, int BN, int LB, typename EA, typename EB>
+__device__ __forceinline__ void warp_rows_dot(float (&s)[8][4], const EA (&at)[D][BRP], const EB (&b)[BN][LB],
                                               int r0, int cg, int ds) {
 #pragma unroll
   for (int i = 0; i < 8; ++i)
@@ -463,7 +463,7 @@ __device__ __forceinline__ void warp_rows_dot(float (&s)[8][4], const float (&at
     float bc[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float4 x = *reinterpret_cast<const float4*>(&b[cg + NCG * j][4 * f]);
+      const float4 x = ld4<T>(&b[cg + NCG * j][4 * f]);
       bc[0][j] = x.x;
       bc[1][j] = x.y;
       bc[2][j] = x.z;
@@ -471,8 +471,8 @@ __device__ __forceinline__ void warp_rows_dot(float (&s)[8][4], const float (&at
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float4 qa = *reinterpret_cast<const float4*>(&at[4 * f + e][r0]);
-      const float4 qb = *reinterpret_cast<const float4*>(&at[4 * f + e][r0 + 4]);
+      const float4 qa = ld4<T>(&at[4 * f + e][r0]);
+      const float4 qb = ld4<T>(&at[4 * f + e][r0 + 4]);
       const float ar[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
       for (int i = 0; i < 8; ++i)
@@ -483,9 +483,9 @@ __device__ __forceinline__ void warp_rows_dot(float (&s)[8][4], const float (&at
 }
 
 // acc[r][c] += sum over positions q in [kh KPH, kh KPH + KPH) of a[r0 + r][q] * b[q / 4 + NCG (q % 4)][4 dg + c]
-template <int NCG, int KPH, int BR, int BN, int ROWS, int LB>
+template <typename T, int NCG, int KPH, int BR, int BN, int ROWS, int LB, typename EB>
 __device__ __forceinline__ void warp_rows_accumulate(float (&acc)[8][4], const float (&a)[BR][BN],
-                                                     const float (&b)[ROWS][LB], int r0, int dg, int kh) {
+                                                     const EB (&b)[ROWS][LB], int r0, int dg, int kh) {
 #pragma unroll 2
   for (int g = kh * KPH / 4; g < (kh + 1) * KPH / 4; ++g) {
     float4 pr[8];
@@ -493,7 +493,7 @@ __device__ __forceinline__ void warp_rows_accumulate(float (&acc)[8][4], const f
     for (int r = 0; r < 8; ++r) pr[r] = *reinterpret_cast<const float4*>(&a[r0 + r][4 * g]);
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
-      const float4 bv = *reinterpret_cast<const float4*>(&b[g + NCG * jj][4 * dg]);
+      const float4 bv = ld4<T>(&b[g + NCG * jj][4 * dg]);
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
         const float pk = jj == 0 ? pr[r].x : jj == 1 ? pr[r].y : jj == 2 ? pr[r].z : pr[r].w;
@@ -531,10 +531,11 @@ __device__ __forceinline__ void dq_warp_rows(const Params& p) {
   using W = BwdWarpShape<D, BK>;
   static_assert(W::BR == BQ, "DqTiles<D>::BQ must be 8 rows per warp");
   constexpr int NCG = W::NCG, NDS = W::NDS, RL = W::RL, LB = W::LB;
-  __shared__ __align__(16) float qt[D][BQ];  // Q^T and dO^T, swizzled by row_col
-  __shared__ __align__(16) float dot[D][BQ];
-  __shared__ __align__(16) float ks[BK][LB];
-  __shared__ __align__(16) float vs[BK][LB];
+  using E = typename W::E;
+  __shared__ __align__(16) E qt[D][W::BRP];  // Q^T and dO^T, swizzled by row_col
+  __shared__ __align__(16) E dot[D][W::BRP];
+  __shared__ __align__(16) E ks[BK][LB];
+  __shared__ __align__(16) E vs[BK][LB];
   __shared__ __align__(16) float dss[BQ][BK];  // dS; rows 8w..8w+7 belong to warp w
   __shared__ float bias[BK], lse2s[BQ], dls[BQ];  // per-row constants in shared memory: registers are full
 
@@ -545,8 +546,8 @@ __device__ __forceinline__ void dq_warp_rows(const Params& p) {
   const int offset = p.nk - p.nq;
   const long long row_base = ((long long)b * p.hq + h) * p.nq;
 
-  stage_stationary<NDS, RL>(qt, static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h, p.sq.n, q0, p.nq);
-  stage_stationary<NDS, RL>(dot, static_cast<const T*>(p.dout) + b * p.sdo.b + h * p.sdo.h, p.sdo.n, q0, p.nq);
+  stage_stationary<NDS, RL, BQ>(qt, static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h, p.sq.n, q0, p.nq);
+  stage_stationary<NDS, RL, BQ>(dot, static_cast<const T*>(p.dout) + b * p.sdo.b + h * p.sdo.h, p.sdo.n, q0, p.nq);
   for (int r = threadIdx.x; r < BQ; r += kTileThreads) {
     lse2s[r] = lse2_of(p, row_base, q0 + r);
     dls[r] = q0 + r < p.nq ? p.delta[row_base + q0 + r] : 0.f;
@@ -575,10 +576,10 @@ __device__ __forceinline__ void dq_warp_rows(const Params& p) {
     __syncthreads();
 
     float s[8][4], dp[8][4];
-    warp_rows_dot<NCG, NDS, W::NF>(s, qt, ks, r0, cg, ds);
+    warp_rows_dot<T, NCG, NDS, W::NF>(s, qt, ks, r0, cg, ds);
     reduce_scatter_rows<NCG, RL>(s);
     asm volatile("" ::: "memory");  // keeps the dP loads after S: 32 accumulators live, not 64
-    warp_rows_dot<NCG, NDS, W::NF>(dp, dot, vs, r0, cg, ds);
+    warp_rows_dot<T, NCG, NDS, W::NF>(dp, dot, vs, r0, cg, ds);
     reduce_scatter_rows<NCG, RL>(dp);
     float kb[4];
 #pragma unroll
@@ -598,7 +599,7 @@ __device__ __forceinline__ void dq_warp_rows(const Params& p) {
     }
     __syncwarp();
     if (k0 + BK < kend) fetch(k0 + BK);
-    warp_rows_accumulate<NCG, W::KPH>(acc, dss, ks, r0, dg, kh);
+    warp_rows_accumulate<T, NCG, W::KPH>(acc, dss, ks, r0, dg, kh);
     // the next write of dss follows two __syncthreads
   }
   store_warp_rows<T, D, W::NDG, W::NKH>(acc, static_cast<T*>(p.o) + row_base * D, q0 + r0, p.nq, p.scale, dg, kh);
@@ -671,7 +672,7 @@ __device__ __forceinline__ void dq_grid(const Params& p) {
 
 template <typename T, int D, int BQ, int BK>
 __global__ void __launch_bounds__(kTileThreads, 2) exact_dq_bwd_kernel(const Params p) {
-  if constexpr (D <= 64 && BQ == BwdWarpShape<D, BK>::BR) dq_warp_rows<T, D, BQ, BK>(p);
+  if constexpr (BQ == BwdWarpShape<D, BK>::BR) dq_warp_rows<T, D, BQ, BK>(p);
   else dq_grid<T, D, BQ, BK>(p);  // D = 128 (and other tiles, e.g. a stale scripts/nvrtc_check.py table)
 }
 
@@ -684,10 +685,11 @@ __device__ __forceinline__ void dkv_warp_rows(const Params& p) {
   using W = BwdWarpShape<D, BQ>;
   static_assert(W::BR == BK, "DkvTiles<D>::BK must be 8 rows per warp");
   constexpr int NCG = W::NCG, NDS = W::NDS, RL = W::RL, LB = W::LB;
-  __shared__ __align__(16) float kt[D][BK];  // K^T and V^T, swizzled by row_col
-  __shared__ __align__(16) float vt[D][BK];
-  __shared__ __align__(16) float qs[BQ][LB];
-  __shared__ __align__(16) float dos[BQ][LB];
+  using E = typename W::E;
+  __shared__ __align__(16) E kt[D][W::BRP];  // K^T and V^T, swizzled by row_col
+  __shared__ __align__(16) E vt[D][W::BRP];
+  __shared__ __align__(16) E qs[BQ][LB];
+  __shared__ __align__(16) E dos[BQ][LB];
   __shared__ __align__(16) float sts[BK][BQ];  // P^T, then dS^T; rows 8w..8w+7 belong to warp w
   __shared__ float lse2s[BQ], dls[BQ];
 
@@ -697,8 +699,8 @@ __device__ __forceinline__ void dkv_warp_rows(const Params& p) {
   const int g = blockIdx.y, b = blockIdx.z;
   const int offset = p.nk - p.nq;
 
-  stage_stationary<NDS, RL>(kt, static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h, p.sk.n, k0, p.nk);
-  stage_stationary<NDS, RL>(vt, static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h, p.sv.n, k0, p.nk);
+  stage_stationary<NDS, RL, BK>(kt, static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h, p.sk.n, k0, p.nk);
+  stage_stationary<NDS, RL, BK>(vt, static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h, p.sv.n, k0, p.nk);
   float kb[RL];  // keys k0 + r0 + ds RL + i
 #pragma unroll
   for (int i = 0; i < RL; ++i) {
@@ -743,10 +745,10 @@ __device__ __forceinline__ void dkv_warp_rows(const Params& p) {
     __syncthreads();
 
     float st[8][4], dpt[8][4];
-    warp_rows_dot<NCG, NDS, W::NF>(st, kt, qs, r0, cg, ds);
+    warp_rows_dot<T, NCG, NDS, W::NF>(st, kt, qs, r0, cg, ds);
     reduce_scatter_rows<NCG, RL>(st);
     asm volatile("" ::: "memory");  // keeps the dP^T loads after S^T: 32 accumulators live, not 64
-    warp_rows_dot<NCG, NDS, W::NF>(dpt, vt, dos, r0, cg, ds);
+    warp_rows_dot<T, NCG, NDS, W::NF>(dpt, vt, dos, r0, cg, ds);
     reduce_scatter_rows<NCG, RL>(dpt);
     // lane: keys k0 + r0 + ds RL + i, queries q0 + cg + NCG j
     float lse2[4], dl[4];
@@ -769,14 +771,14 @@ __device__ __forceinline__ void dkv_warp_rows(const Params& p) {
     }
     __syncwarp();
     if (t + 1 < total) fetch(t + 1);
-    warp_rows_accumulate<NCG, W::KPH>(dv, sts, dos, r0, dg, kh);
+    warp_rows_accumulate<T, NCG, W::KPH>(dv, sts, dos, r0, dg, kh);
     __syncwarp();  // the warp is done reading P^T
 #pragma unroll
     for (int i = 0; i < RL; ++i)
       *reinterpret_cast<float4*>(&sts[r0 + ds * RL + i][4 * cg]) =
           make_float4(dpt[i][0], dpt[i][1], dpt[i][2], dpt[i][3]);
     __syncwarp();
-    warp_rows_accumulate<NCG, W::KPH>(dk, sts, qs, r0, dg, kh);
+    warp_rows_accumulate<T, NCG, W::KPH>(dk, sts, qs, r0, dg, kh);
     // the next write of sts follows two __syncthreads
   }
 
@@ -863,8 +865,8 @@ __device__ __forceinline__ void dkv_grid(const Params& p) {
 }
 
 template <typename T, int D, int BK, int BQ>
-__global__ void __launch_bounds__(kTileThreads, D <= 64 ? 1 : 2) exact_dkv_bwd_kernel(const Params p) {
-  if constexpr (D <= 64 && BK == BwdWarpShape<D, BQ>::BR) dkv_warp_rows<T, D, BK, BQ>(p);
+__global__ void __launch_bounds__(kTileThreads, BK == BwdWarpShape<D, BQ>::BR ? 1 : 2) exact_dkv_bwd_kernel(const Params p) {
+  if constexpr (BK == BwdWarpShape<D, BQ>::BR) dkv_warp_rows<T, D, BK, BQ>(p);
   else dkv_grid<T, D, BK, BQ>(p);  // D = 128 (and other tiles, e.g. a stale scripts/nvrtc_check.py table)
 }
 
