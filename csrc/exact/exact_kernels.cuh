@@ -5,10 +5,8 @@
 // kv head h / groups), out = softmax(s) v, lse = logsumexp(s) (fp32, -inf and out = 0 for rows with
 // no allowed key). Softmax and every accumulation in fp32; scores in base 2 (exp2, scale * log2 e).
 //
-// Kernels (256 threads, tiles in static shared memory <= 48 KB, fp32 accumulators in registers; in the
-// forward, and in the backward for D = 32, 64, each warp owns 8 rows of the block and lanes split D, then a
-// reduce-scatter (version 3, csrc/exact/NOTES.md); the D = 128 backward uses a 16 x 16 thread grid of register
-// blocks (version 2)):
+// Kernels (256 threads, tiles in static shared memory <= 48 KB, fp32 accumulators in registers; each warp owns
+// 8 rows of the block and lanes split D, then a reduce-scatter: version 3, csrc/exact/NOTES.md):
 //   exact_attn_fwd_kernel   one block per (query block, q head, batch), streams key/value tiles,
 //                           online softmax; causal blocks stop at the diagonal (upper triangle skipped)
 //   exact_delta_bwd_kernel  delta = rowsum(dO * O), one warp per row
@@ -51,18 +49,16 @@ struct Params {
   int causal;
 };
 
-// Tile shapes per head dim, and which tiles are staged in fp32 (FTile: no conversion per use, twice the
-// bytes), chosen so each kernel's static shared memory stays <= 48 KB (scripts/nvrtc_check.py checks).
+// Tile shapes per head dim (8 stationary rows per warp), chosen with the tiles' element type (Elem) so that each
+// kernel's static shared memory stays <= 48 KB (scripts/nvrtc_check.py checks).
 template <int D> struct FwdTiles {
   static constexpr int BQ = 64, BK = D == 32 ? 64 : D == 64 ? 32 : 16;
 };
 template <int D> struct DqTiles {
   static constexpr int BQ = 64, BK = D == 32 ? 32 : 16;
-  static constexpr bool kQ32 = D <= 64, kK32 = true, kV32 = D <= 64;  // kQ32: q and dO
 };
 template <int D> struct DkvTiles {
   static constexpr int BK = 64, BQ = D == 32 ? 32 : 16;
-  static constexpr bool kK32 = D <= 64, kQ32 = D <= 64, kDo32 = D <= 64;  // kK32: k and v
 };
 
 // Last key (exclusive) that any query in [q0, q0 + rows) may see.
@@ -70,16 +66,6 @@ __device__ __forceinline__ int key_end(const Params& p, int q0, int rows) {
   if (!p.causal) return p.nk;
   const int last_q = min(q0 + rows, p.nq) - 1;
   return max(0, min(p.nk, last_q + (p.nk - p.nq) + 1));
-}
-
-// Fill bias[c] for keys k0 + c: 0 if the key exists and is not padding, else -inf.
-template <int BK>
-__device__ __forceinline__ void key_bias(float (&bias)[BK], const Params& p, int b, int k0) {
-  for (int c = threadIdx.x; c < BK; c += kTileThreads) {
-    const int j = k0 + c;
-    const bool ok = j < p.nk && (p.key_padding_mask == nullptr || p.key_padding_mask[b * p.kpm_stride + j]);
-    bias[c] = ok ? 0.f : -inf();
-  }
 }
 
 // Version 3 building blocks: a warp owns 8 rows of a block; see the kernels below.
@@ -457,7 +443,7 @@ __device__ __forceinline__ void warp_rows_dot(float (&s)[8][4], const EA (&at)[D
   for (int i = 0; i < 8; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) s[i][j] = 0.f;
-#pragma unroll
+#pragma unroll(NF > 2 ? 2 : NF)  // fully unrolled at NF = 4 (D = 128, 16-bit) dq spilled on sm_70
   for (int u = 0; u < NF; ++u) {
     const int f = ds + NDS * u;
     float bc[4][4];
@@ -524,7 +510,7 @@ __device__ __forceinline__ void store_warp_rows(float (&acc)[8][4], T* out, int 
   }
 }
 
-// dQ, version 3 (D = 32, 64): warp w owns query rows [8w, 8w + 8); S = Q K^T and dP = dO V^T in the
+// dQ, version 3: warp w owns query rows [8w, 8w + 8); S = Q K^T and dP = dO V^T in the
 // BwdWarpShape layout, dS = P (dP - delta) per lane, dQ += dS K through a per-warp dS tile.
 template <typename T, int D, int BQ, int BK>
 __device__ __forceinline__ void dq_warp_rows(const Params& p) {
@@ -605,78 +591,12 @@ __device__ __forceinline__ void dq_warp_rows(const Params& p) {
   store_warp_rows<T, D, W::NDG, W::NKH>(acc, static_cast<T*>(p.o) + row_base * D, q0 + r0, p.nq, p.scale, dg, kh);
 }
 
-// dQ, version 2 (D = 128): a 16 x 16 thread grid.
-template <typename T, int D, int BQ, int BK>
-__device__ __forceinline__ void dq_grid(const Params& p) {
-  using Cfg = DqTiles<D>;
-  constexpr int TR = BQ / 16, TC = BK / 16, TD = D / 32;
-  __shared__ TileOf<Cfg::kQ32, BQ, D> qs, dos;
-  __shared__ TileOf<Cfg::kK32, BK, D> ks;
-  __shared__ TileOf<Cfg::kV32, BK, D> vs;
-  __shared__ ScoreTile<BQ, BK> dss;
-  __shared__ float bias[BK];
-
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
-  const int h = blockIdx.y, b = blockIdx.z, g = h / p.groups;
-  const int offset = p.nk - p.nq;
-  const long long row_base = ((long long)b * p.hq + h) * p.nq;
-  const T* k = static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h;
-  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h;
-
-  load_tiles(qs, static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h, p.sq.n,
-             dos, static_cast<const T*>(p.dout) + b * p.sdo.b + h * p.sdo.h, p.sdo.n, q0, p.nq);
-  float lse2[TR], dl[TR];
-  float2 acc[TR][TD];
-#pragma unroll
-  for (int i = 0; i < TR; ++i) {
-    const int row = q0 + ty * TR + i;
-    lse2[i] = lse2_of(p, row_base, row);
-    dl[i] = row < p.nq ? p.delta[row_base + row] : 0.f;
-#pragma unroll
-    for (int c = 0; c < TD; ++c) acc[i][c] = make_float2(0.f, 0.f);
-  }
-
-  const int kend = key_end(p, q0, BQ);
-  for (int k0 = 0; k0 < kend; k0 += BK) {
-    __syncthreads();
-    load_tiles(ks, k, p.sk.n, vs, v, p.sv.n, k0, p.nk);
-    key_bias(bias, p, b, k0);
-    __syncthreads();
-
-    float s[TR][TC], dp[TR][TC];
-    tile_dot<T>(s, qs, ks, ty, tx);
-    tile_dot<T>(dp, dos, vs, ty, tx);
-#pragma unroll
-    for (int i = 0; i < TR; ++i) {
-      const int row = q0 + ty * TR + i;
-#pragma unroll
-      for (int j = 0; j < TC; ++j) {
-        const int col = k0 + tx + 16 * j;
-        float x = fmaf(s[i][j], p.scale_log2, bias[tx + 16 * j]);
-        if (p.causal && col > row + offset) x = -inf();
-        const float pij = exp2f(x - lse2[i]);
-        dss.v[ty * TR + i][tx + 16 * j] = pij * (dp[i][j] - dl[i]);  // fp32: dP - delta cancels
-      }
-    }
-    __syncthreads();
-    tile_accumulate<T>(acc, dss, ks, ty, tx);
-  }
-
-#pragma unroll
-  for (int i = 0; i < TR; ++i) {
-    const int row = q0 + ty * TR + i;
-    if (row < p.nq) store_row<T>(static_cast<T*>(p.o) + (row_base + row) * D, acc[i], p.scale, tx);
-  }
-}
-
 template <typename T, int D, int BQ, int BK>
 __global__ void __launch_bounds__(kTileThreads, 2) exact_dq_bwd_kernel(const Params p) {
-  if constexpr (BQ == BwdWarpShape<D, BK>::BR) dq_warp_rows<T, D, BQ, BK>(p);
-  else dq_grid<T, D, BQ, BK>(p);  // D = 128 (and other tiles, e.g. a stale scripts/nvrtc_check.py table)
+  dq_warp_rows<T, D, BQ, BK>(p);
 }
 
-// dK, dV, version 3 (D = 32, 64): warp w owns key rows [8w, 8w + 8) of the block; S^T = K Q^T and
+// dK, dV, version 3: warp w owns key rows [8w, 8w + 8) of the block; S^T = K Q^T and
 // dP^T = V dO^T in the BwdWarpShape layout (keys stationary, queries streamed), then dV += P^T dO and
 // dK += dS^T Q through one per-warp score tile (P^T first, dS^T after). 64 accumulators per lane: one
 // block per SM (launch bounds), 8 warps.
@@ -787,87 +707,9 @@ __device__ __forceinline__ void dkv_warp_rows(const Params& p) {
   store_warp_rows<T, D, W::NDG, W::NKH>(dv, static_cast<T*>(p.dv) + row_base * D, k0 + r0, p.nk, 1.f, dg, kh);
 }
 
-// dK, dV, version 2 (D = 128): a 16 x 16 thread grid.
 template <typename T, int D, int BK, int BQ>
-__device__ __forceinline__ void dkv_grid(const Params& p) {
-  using Cfg = DkvTiles<D>;
-  constexpr int TR = BK / 16, TC = BQ / 16, TD = D / 32;
-  __shared__ TileOf<Cfg::kK32, BK, D> ks, vs;
-  __shared__ TileOf<Cfg::kQ32, BQ, D> qs;
-  __shared__ TileOf<Cfg::kDo32, BQ, D> dos;
-  __shared__ ScoreTile<BK, BQ> pts, dsts;  // P^T and dS^T: rows are keys
-  __shared__ float lse2s[BQ], dls[BQ];
-
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const int k0 = blockIdx.x * BK;
-  const int g = blockIdx.y, b = blockIdx.z;
-  const int offset = p.nk - p.nq;
-
-  load_tiles(ks, static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h, p.sk.n,
-             vs, static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h, p.sv.n, k0, p.nk);
-  float kb[TR];
-  float2 dk[TR][TD], dv[TR][TD];
-#pragma unroll
-  for (int i = 0; i < TR; ++i) {
-    const int key = k0 + ty * TR + i;
-    const bool ok = key < p.nk && (p.key_padding_mask == nullptr || p.key_padding_mask[b * p.kpm_stride + key]);
-    kb[i] = ok ? 0.f : -inf();
-#pragma unroll
-    for (int c = 0; c < TD; ++c) dk[i][c] = dv[i][c] = make_float2(0.f, 0.f);
-  }
-
-  // causal: query i sees key j iff i >= j - offset; start at the query block holding the first such i
-  const int q_first = p.causal ? max(0, k0 - offset) / BQ * BQ : 0;
-  for (int hh = 0; hh < p.groups; ++hh) {
-    const int h = g * p.groups + hh;
-    const long long row_base = ((long long)b * p.hq + h) * p.nq;
-    const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
-    const T* dout = static_cast<const T*>(p.dout) + b * p.sdo.b + h * p.sdo.h;
-    for (int q0 = q_first; q0 < p.nq; q0 += BQ) {
-      __syncthreads();
-      load_tiles(qs, q, p.sq.n, dos, dout, p.sdo.n, q0, p.nq);
-      for (int c = threadIdx.x; c < BQ; c += kTileThreads) {
-        lse2s[c] = lse2_of(p, row_base, q0 + c);
-        dls[c] = q0 + c < p.nq ? p.delta[row_base + q0 + c] : 0.f;
-      }
-      __syncthreads();
-
-      float st[TR][TC], dpt[TR][TC];
-      tile_dot<T>(st, ks, qs, ty, tx);
-      tile_dot<T>(dpt, vs, dos, ty, tx);
-#pragma unroll
-      for (int i = 0; i < TR; ++i) {
-        const int key = k0 + ty * TR + i;
-#pragma unroll
-        for (int j = 0; j < TC; ++j) {
-          const int c = tx + 16 * j;
-          float x = fmaf(st[i][j], p.scale_log2, kb[i]);
-          if (p.causal && key > q0 + c + offset) x = -inf();
-          const float pij = exp2f(x - lse2s[c]);
-          pts.v[ty * TR + i][c] = pij;
-          dsts.v[ty * TR + i][c] = pij * (dpt[i][j] - dls[c]);  // fp32: dP - delta cancels
-        }
-      }
-      __syncthreads();
-      tile_accumulate<T>(dv, pts, dos, ty, tx);
-      tile_accumulate<T>(dk, dsts, qs, ty, tx);
-    }
-  }
-
-  const long long row_base = ((long long)b * (p.hq / p.groups) + g) * p.nk;
-#pragma unroll
-  for (int i = 0; i < TR; ++i) {
-    const int key = k0 + ty * TR + i;
-    if (key >= p.nk) continue;
-    store_row<T>(static_cast<T*>(p.dk) + (row_base + key) * D, dk[i], p.scale, tx);
-    store_row<T>(static_cast<T*>(p.dv) + (row_base + key) * D, dv[i], 1.f, tx);
-  }
-}
-
-template <typename T, int D, int BK, int BQ>
-__global__ void __launch_bounds__(kTileThreads, BK == BwdWarpShape<D, BQ>::BR ? 1 : 2) exact_dkv_bwd_kernel(const Params p) {
-  if constexpr (BK == BwdWarpShape<D, BQ>::BR) dkv_warp_rows<T, D, BK, BQ>(p);
-  else dkv_grid<T, D, BK, BQ>(p);  // D = 128 (and other tiles, e.g. a stale scripts/nvrtc_check.py table)
+__global__ void __launch_bounds__(kTileThreads, 1) exact_dkv_bwd_kernel(const Params p) {
+  dkv_warp_rows<T, D, BK, BQ>(p);
 }
 
 }  // namespace exact
