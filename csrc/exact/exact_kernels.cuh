@@ -443,7 +443,12 @@ __device__ __forceinline__ void warp_rows_dot(float (&s)[8][4], const EA (&at)[D
   for (int i = 0; i < 8; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) s[i][j] = 0.f;
-#pragma unroll(NF > 2 ? 2 : NF)  // fully unrolled at NF = 4 (D = 128, 16-bit) dq spilled on sm_70
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 750
+  constexpr int kUnroll = NF > 2 ? 2 : NF;  // fully unrolled, dq at D = 128 spills on sm_70 (NVRTC check)
+#else
+  constexpr int kUnroll = NF;
+#endif
+#pragma unroll(kUnroll)
   for (int u = 0; u < NF; ++u) {
     const int f = ds + NDS * u;
     float bc[4][4];
