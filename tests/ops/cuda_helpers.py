@@ -10,12 +10,12 @@ import torch
 DEV = "cuda"
 
 
-def make_inputs(b, hq, hkv, nq, nk, d, *, dtype=torch.float16, scale=1.0, seed=0):
-    """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) on the GPU, N(0, 1) x scale for q and k, N(0, 1) v."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(b, hq, nq, d, device=DEV, generator=g) * scale
-    k = torch.randn(b, hkv, nk, d, device=DEV, generator=g) * scale
-    v = torch.randn(b, hkv, nk, d, device=DEV, generator=g)
+def make_inputs(b, hq, hkv, nq, nk, d, *, dtype=torch.float16, scale=1.0, seed=0, device=DEV):
+    """q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) on `device` (the GPU), N(0, 1) x scale for q and k, N(0, 1) v."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, device=device, generator=g) * scale
+    k = torch.randn(b, hkv, nk, d, device=device, generator=g) * scale
+    v = torch.randn(b, hkv, nk, d, device=device, generator=g)
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 

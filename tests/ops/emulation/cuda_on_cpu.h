@@ -1,0 +1,160 @@
+// CUDA kernels on the CPU, for tests on machines without a GPU. Every CUDA thread of a block is a fiber (ucontext)
+// on one OS thread; blocks run one after another. __syncthreads waits for the block's fibers, __syncwarp and every
+// warp shuffle / vote for the warp's 32 (a shuffle: all lanes publish their value, wait, read the source lane's,
+// wait); a fiber runs until it waits, so the interleaving is deterministic. __shared__ variables are function
+// statics (one block at a time). Not modelled: the GPU's memory model beyond barriers (a race that no barrier orders
+// may still pass), inline PTX, tensor cores, timing.
+//
+// Include this first, then the kernel header; emu::launch(grid, threads, [&] { kernel(params); }) returns false
+// when the block's threads deadlock (e.g. a __syncthreads that not all of them reach).
+#pragma once
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#undef __shared__
+#define __shared__ static
+#define __launch_bounds__(...)
+
+using std::max;
+using std::min;
+
+inline uint3 threadIdx, blockIdx;
+inline dim3 gridDim, blockDim;
+
+namespace emu {
+
+constexpr size_t kStackBytes = 256 * 1024;
+
+struct Barrier {
+  unsigned size = 0, count = 0;
+  unsigned long generation = 0;
+};
+
+struct Fiber {
+  ucontext_t context;
+  bool done = false;
+};
+
+struct Block {
+  ucontext_t scheduler;
+  std::vector<Fiber> fibers;
+  Barrier all;
+  std::vector<Barrier> warps;
+  std::vector<uint64_t> slots;  // one value per thread, for shuffles and votes
+  unsigned running = 0;
+  unsigned long progress = 0;  // arrivals and exits: a scheduler round without any is a deadlock
+  const std::function<void()>* body = nullptr;
+};
+
+inline Block* current = nullptr;
+
+inline void yield() { swapcontext(&current->fibers[current->running].context, &current->scheduler); }
+
+inline void wait(Barrier& b) {
+  const unsigned long generation = b.generation;
+  ++current->progress;
+  if (++b.count == b.size) {
+    b.count = 0;
+    ++b.generation;
+    return;
+  }
+  while (b.generation == generation) yield();
+}
+
+inline Barrier& warp_barrier() { return current->warps[threadIdx.x / 32]; }
+
+// The value `v` of lane `src` of this thread's warp (every lane of the warp must call it).
+template <typename V>
+V exchange(V v, unsigned src) {
+  static_assert(sizeof(V) <= sizeof(uint64_t), "shuffle of a value up to 8 bytes");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(V));
+  current->slots[threadIdx.x] = bits;
+  wait(warp_barrier());
+  const uint64_t got = current->slots[threadIdx.x / 32 * 32 + src % 32];
+  wait(warp_barrier());
+  V r;
+  std::memcpy(&r, &got, sizeof(V));
+  return r;
+}
+
+inline void fiber_main() {
+  (*current->body)();
+  current->fibers[current->running].done = true;
+  ++current->progress;
+}
+
+// Runs body() once per thread of every block of `grid` (threads: a multiple of 32). False on a deadlock.
+inline bool launch(dim3 grid, unsigned threads, const std::function<void()>& body) {
+  gridDim = grid;
+  blockDim = dim3(threads, 1, 1);
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        blockIdx = make_uint3(x, y, z);
+        Block block;
+        block.fibers.resize(threads);
+        block.all.size = threads;
+        block.warps.resize((threads + 31) / 32);
+        for (auto& w : block.warps) w.size = 32;
+        block.slots.resize(threads);
+        block.body = &body;
+        current = &block;
+        static std::vector<std::unique_ptr<char[]>> stacks;  // reused by every block
+        while (stacks.size() < threads) stacks.push_back(std::make_unique_for_overwrite<char[]>(kStackBytes));
+        for (unsigned t = 0; t < threads; ++t) {
+          Fiber& f = block.fibers[t];
+          getcontext(&f.context);
+          f.context.uc_stack.ss_sp = stacks[t].get();
+          f.context.uc_stack.ss_size = kStackBytes;
+          f.context.uc_link = &block.scheduler;
+          makecontext(&f.context, fiber_main, 0);
+        }
+        for (unsigned alive = threads; alive > 0;) {
+          const unsigned long before = block.progress;
+          for (unsigned t = 0; t < threads; ++t) {
+            if (block.fibers[t].done) continue;
+            block.running = t;
+            threadIdx = make_uint3(t, 0, 0);
+            swapcontext(&block.scheduler, &block.fibers[t].context);
+            if (block.fibers[t].done) --alive;
+          }
+          if (alive > 0 && block.progress == before) {
+            current = nullptr;
+            return false;
+          }
+        }
+        current = nullptr;
+      }
+  return true;
+}
+
+}  // namespace emu
+
+inline void __syncthreads() { emu::wait(emu::current->all); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::wait(emu::warp_barrier()); }
+template <typename V> V __shfl_sync(unsigned, V v, int src) { return emu::exchange(v, static_cast<unsigned>(src)); }
+template <typename V> V __shfl_xor_sync(unsigned, V v, int mask) { return emu::exchange(v, (threadIdx.x % 32) ^ mask); }
+inline int __all_sync(unsigned, int pred) {
+  const unsigned base = threadIdx.x / 32 * 32;
+  emu::current->slots[threadIdx.x] = pred != 0;
+  emu::wait(emu::warp_barrier());
+  int all = 1;
+  for (unsigned lane = 0; lane < 32; ++lane) all &= emu::current->slots[base + lane] != 0;
+  emu::wait(emu::warp_barrier());
+  return all;
+}
+template <typename V> V __ldg(const V* p) { return *p; }
+inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
