@@ -68,12 +68,6 @@ __device__ __forceinline__ void mma16816(float (&acc)[4], const uint32_t (&a)[4]
   mma::m16n8k16(acc, a, b, T());
 }
 
-__device__ __forceinline__ float rcp_approx(float x) {  // rcp(+inf) = +0
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-
 // p = y^(-order), r = y^(-order-1) for y >= 1 (y = +inf gives 0, 0); returns 1/y. IORD: 2 or 4 fast paths (one
 // MUFU), 0 = any order (three MUFU).
 template <int IORD>

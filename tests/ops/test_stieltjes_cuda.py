@@ -30,10 +30,10 @@ CONVERGED = 40  # Newton steps that put lambda at the root to fp32 rounding for 
 GRAD_FLOOR = 1e-5  # fp32 residue of dP - delta where the exact gradient is 0 (e.g. one visible key)
 
 
-def allowed_keys(nq, nk, b, causal, mask):
-    i = torch.arange(nq, device=DEV)[:, None]
-    j = torch.arange(nk, device=DEV)[None, :]
-    ok = (j <= i + (nk - nq)) if causal else torch.ones(nq, nk, dtype=torch.bool, device=DEV)
+def allowed_keys(nq, nk, b, causal, mask, device=DEV):
+    i = torch.arange(nq, device=device)[:, None]
+    j = torch.arange(nk, device=device)[None, :]
+    ok = (j <= i + (nk - nq)) if causal else torch.ones(nq, nk, dtype=torch.bool, device=device)
     ok = ok[None, None].expand(b, 1, nq, nk)
     return ok & mask[:, None, None, :] if mask is not None else ok
 
@@ -50,7 +50,7 @@ def oracle(q, k, v, *, order, causal, scale, mask):
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     s = scale * q @ k.transpose(-1, -2)
-    ok = allowed_keys(q.shape[2], k.shape[2], q.shape[0], causal, mask).expand_as(s)
+    ok = allowed_keys(q.shape[2], k.shape[2], q.shape[0], causal, mask, q.device).expand_as(s)
     n = ok.sum(-1)
     has = n > 0
     with torch.no_grad():
@@ -90,12 +90,16 @@ def reference_run(q, k, v, dout, *, order, causal, scale, mask, newton_iter):
     return (out, rowmax, lam), grads
 
 
-def check_against_oracle(q, k, v, *, order=4.0, causal=False, mask=None, newton_iter=CONVERGED, seed=1):
+def check_against_oracle(q, k, v, *, order=4.0, causal=False, mask=None, newton_iter=CONVERGED, seed=1,
+                         run=run_kernel):
+    """The kernels' out, lambda, dq, dk, dv against float64 with the reference's error as the yardstick.
+
+    run: like run_kernel (the CUDA ops, the default)."""
     scale = q.shape[-1] ** -0.5
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    dout = torch.randn(q.shape, device=DEV, generator=g).to(q.dtype)
+    g = torch.Generator(device=q.device).manual_seed(seed)
+    dout = torch.randn(q.shape, device=q.device, generator=g).to(q.dtype)
     kw = dict(order=order, causal=causal, scale=scale, mask=mask)
-    (out, rowmax, lam), grads = run_kernel(q, k, v, dout, newton_iter=newton_iter, **kw)
+    (out, rowmax, lam), grads = run(q, k, v, dout, newton_iter=newton_iter, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert rowmax.dtype == lam.dtype == torch.float32 and rowmax.shape == lam.shape == q.shape[:3]
     assert torch.isfinite(rowmax).all() and torch.isfinite(lam).all() and (lam >= 1).all()

@@ -1,9 +1,11 @@
 // CUDA kernels on the CPU, for tests on machines without a GPU. Every CUDA thread of a block is a fiber (ucontext)
 // on one OS thread; blocks run one after another. __syncthreads waits for the block's fibers, __syncwarp and every
 // warp shuffle / vote for the warp's 32 (a shuffle: all lanes publish their value, wait, read the source lane's,
-// wait); a fiber runs until it waits, so the interleaving is deterministic. __shared__ variables are function
-// statics (one block at a time). Not modelled: the GPU's memory model beyond barriers (a race that no barrier orders
-// may still pass), inline PTX, tensor cores, timing.
+// wait); a fiber runs until it waits, so the interleaving is deterministic. __shared__ variables are thread_local
+// (the block's fibers share the OS thread; one block at a time), so `extern __shared__` (dynamic shared memory) is
+// a thread_local array that the harness defines. Inline PTX: common/ptx.cuh here replaces csrc/common/ptx.cuh when
+// this folder comes first on the include path. Not modelled: the GPU's memory model beyond barriers (a race that no
+// barrier orders may still pass), timing.
 //
 // Include this first, then the kernel header; emu::launch(grid, threads, [&] { kernel(params); }) returns false
 // when the block's threads deadlock (e.g. a __syncthreads that not all of them reach).
@@ -12,6 +14,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -23,7 +26,7 @@
 #include <cuda_fp16.h>
 
 #undef __shared__
-#define __shared__ static
+#define __shared__ thread_local
 #define __launch_bounds__(...)
 
 using std::max;
@@ -51,7 +54,7 @@ struct Block {
   std::vector<Fiber> fibers;
   Barrier all;
   std::vector<Barrier> warps;
-  std::vector<uint64_t> slots;  // one value per thread, for shuffles and votes
+  std::vector<std::array<unsigned char, 64>> slots;  // one value per thread, for shuffles, votes, mma
   unsigned running = 0;
   unsigned long progress = 0;  // arrivals and exits: a scheduler round without any is a deadlock
   const std::function<void()>* body = nullptr;
@@ -74,20 +77,22 @@ inline void wait(Barrier& b) {
 
 inline Barrier& warp_barrier() { return current->warps[threadIdx.x / 32]; }
 
-// The value `v` of lane `src` of this thread's warp (every lane of the warp must call it).
+// Every lane's `v` (index: lane), from every lane of this thread's warp (each must call it).
 template <typename V>
-V exchange(V v, unsigned src) {
-  static_assert(sizeof(V) <= sizeof(uint64_t), "shuffle of a value up to 8 bytes");
-  uint64_t bits = 0;
-  std::memcpy(&bits, &v, sizeof(V));
-  current->slots[threadIdx.x] = bits;
+std::array<V, 32> gather(const V& v) {
+  static_assert(sizeof(V) <= 64, "a lane's value up to 64 bytes");
+  std::memcpy(current->slots[threadIdx.x].data(), &v, sizeof(V));
   wait(warp_barrier());
-  const uint64_t got = current->slots[threadIdx.x / 32 * 32 + src % 32];
+  std::array<V, 32> all;
+  for (unsigned lane = 0; lane < 32; ++lane)
+    std::memcpy(&all[lane], current->slots[threadIdx.x / 32 * 32 + lane].data(), sizeof(V));
   wait(warp_barrier());
-  V r;
-  std::memcpy(&r, &got, sizeof(V));
-  return r;
+  return all;
 }
+
+// The value `v` of lane `src` of this thread's warp.
+template <typename V>
+V exchange(const V& v, unsigned src) { return gather(v)[src % 32]; }
 
 inline void fiber_main() {
   (*current->body)();
@@ -147,14 +152,12 @@ inline void __syncwarp(unsigned = 0xffffffffu) { emu::wait(emu::warp_barrier());
 template <typename V> V __shfl_sync(unsigned, V v, int src) { return emu::exchange(v, static_cast<unsigned>(src)); }
 template <typename V> V __shfl_xor_sync(unsigned, V v, int mask) { return emu::exchange(v, (threadIdx.x % 32) ^ mask); }
 inline int __all_sync(unsigned, int pred) {
-  const unsigned base = threadIdx.x / 32 * 32;
-  emu::current->slots[threadIdx.x] = pred != 0;
-  emu::wait(emu::warp_barrier());
-  int all = 1;
-  for (unsigned lane = 0; lane < 32; ++lane) all &= emu::current->slots[base + lane] != 0;
-  emu::wait(emu::warp_barrier());
-  return all;
+  const auto all = emu::gather(pred != 0);
+  return std::all_of(all.begin(), all.end(), [](bool x) { return x; }) ? 1 : 0;
 }
 template <typename V> V __ldg(const V* p) { return *p; }
 inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
 inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline unsigned __float_as_uint(float x) { unsigned u; std::memcpy(&u, &x, 4); return u; }
+inline float __expf(float x) { return std::exp(x); }
+inline float __log2f(float x) { return std::log2(x); }

@@ -1,0 +1,67 @@
+"""Build and call the CPU emulations of the CUDA kernels (cuda_on_cpu.h, common/ptx.cuh, <backend>_emulation.cpp).
+
+`build(name, tmp_dir)` compiles <name>_emulation.cpp with g++ (this folder first on the include path, so its
+common/ptx.cuh replaces csrc's) and returns the ctypes library; it skips the calling test, with the reason, where
+g++ or the CUDA headers are missing.
+"""
+import ctypes
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(HERE))), "csrc")
+
+
+def cuda_include():
+    """A folder with cuda_fp16.h (CUDA_HOME, /usr/local/cuda*, or the nvidia-cuda-runtime wheel), or None."""
+    candidates = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include"), "/usr/local/cuda/include"]
+    try:
+        import nvidia.cuda_runtime as runtime
+        candidates += [os.path.join(p, "include") for p in runtime.__path__]
+    except ImportError:
+        pass
+    candidates += sorted(glob.glob("/usr/local/cuda-*/include"))
+    return next((c for c in candidates if os.path.isfile(os.path.join(c, "cuda_fp16.h"))), None)
+
+
+def _sources(name):
+    own = [os.path.join(HERE, f"{name}_emulation.cpp"), os.path.join(HERE, "cuda_on_cpu.h"),
+           os.path.join(HERE, "common", "ptx.cuh")]
+    return own + sorted(glob.glob(os.path.join(CSRC, "common", "*.cuh")) +
+                        glob.glob(os.path.join(CSRC, name, "*_kernels.cuh")))
+
+
+def build(name, tmp_dir):
+    include = cuda_include()
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("g++")
+    if include is None or compiler is None:
+        pytest.skip(f"the {name} emulation needs g++ (found: {compiler}) and the CUDA headers (found: {include}); "
+                    "set CUDA_HOME")
+    sources = _sources(name)
+    digest = hashlib.sha1(b"".join(open(s, "rb").read() for s in sources)).hexdigest()[:12]
+    lib = os.path.join(str(tmp_dir), f"{name}_emulation_{digest}.so")
+    cmd = [compiler, "-std=c++20", "-O1", "-fno-extern-tls-init", "-shared", "-fPIC", "-w", f"-I{HERE}", f"-I{CSRC}", f"-I{include}",
+           sources[0], "-o", lib]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, f"g++ failed:\n{' '.join(cmd)}\n{done.stderr[-4000:]}"
+    return ctypes.CDLL(lib)
+
+
+def ptr(t):
+    """A tensor's data pointer for ctypes (None for None)."""
+    return ctypes.c_void_p(t.data_ptr()) if t is not None else None
+
+
+def nan_like(t, shape=None, dtype=None):
+    """NaN-filled output: an element the kernel does not write fails the oracle check."""
+    return torch.full(shape if shape is not None else t.shape, float("nan"), dtype=dtype or t.dtype)
+
+
+def check_rc(rc, what):
+    assert rc == 0, f"{what} emulation returned {rc} (1: unsupported head dim, 2: a block's threads deadlocked)"

@@ -1,0 +1,62 @@
+"""The Stieltjes tensor-core kernels on the CPU: csrc/stieltjes/stieltjes_kernels.cuh compiled by g++ with
+tests/ops/emulation (CUDA threads as fibers; mma.sync, ldmatrix and cp.async emulated lane by lane from the PTX
+fragment layouts) and checked against the float64 oracle exactly as the GPU tests check the real kernels
+(tests/ops/test_stieltjes_cuda.py). A fragment, tile or pipeline mistake fails here on any machine; timing and the
+memory model beyond barriers stay with the GPU tests.
+"""
+import ctypes
+
+import pytest
+import torch
+
+from tests.inputs import make_padding
+from tests.ops.cuda_helpers import make_inputs
+from tests.ops.emulation import build, check_rc, nan_like, ptr
+from tests.ops.test_stieltjes_cuda import CONVERGED, check_against_oracle
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return build("stieltjes", tmp_path_factory.mktemp("emulation"))
+
+
+def emulated(lib):
+    """run_kernel for check_against_oracle: ((out, rowmax, lam), (dq, dk, dv)) from the emulated kernels."""
+    def run(q, k, v, dout, *, order, causal, scale, mask, newton_iter=CONVERGED):
+        b, hq, nq, d = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        shape = (int(q.dtype == torch.bfloat16), d, b, hq, hkv, nq, nk, int(causal), ctypes.c_float(scale),
+                 ctypes.c_float(order))
+        m = mask.to(torch.uint8).contiguous() if mask is not None else None
+        rows = q.shape[:3]
+        out, rowmax, lam = nan_like(q), nan_like(q, rows, torch.float32), nan_like(q, rows, torch.float32)
+        check_rc(lib.stieltjes_fwd(*shape, newton_iter, ptr(q), ptr(k), ptr(v), ptr(m), ptr(out), ptr(rowmax),
+                                   ptr(lam)), "stieltjes_fwd")
+        dq, dk, dv = nan_like(q), nan_like(k), nan_like(v)
+        delta, lsum = nan_like(q, rows, torch.float32), nan_like(q, rows, torch.float32)
+        check_rc(lib.stieltjes_bwd(*shape, ptr(q), ptr(k), ptr(v), ptr(m), ptr(dout.contiguous()), ptr(rowmax),
+                                   ptr(lam), ptr(delta), ptr(lsum), ptr(dq), ptr(dk), ptr(dv)), "stieltjes_bwd")
+        return (out, rowmax, lam), (dq, dk, dv)
+    return run
+
+
+def cpu_inputs(b, hq, hkv, nq, nk, d, **kw):
+    return make_inputs(b, hq, hkv, nq, nk, d, device="cpu", **kw)
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_and_gradients(emulator, d, causal):
+    q, k, v = cpu_inputs(1, 2, 1, 70, 70, d)  # two query tiles, a ragged key tile, GQA 2:1
+    check_against_oracle(q, k, v, causal=causal, run=emulated(emulator))
+
+
+@pytest.mark.parametrize("order", [2.0, 3.0])
+def test_other_orders(emulator, order):
+    q, k, v = cpu_inputs(1, 2, 2, 40, 40, 64)
+    check_against_oracle(q, k, v, order=order, causal=True, run=emulated(emulator))
+
+
+def test_bfloat16_key_padding_and_bottom_right_causal(emulator):
+    q, k, v = cpu_inputs(2, 2, 1, 20, 90, 64, dtype=torch.bfloat16)
+    check_against_oracle(q, k, v, causal=True, mask=make_padding(2, 90, seed=4), run=emulated(emulator))
