@@ -5,6 +5,8 @@ when a CUDA build of torch and a CUDA toolkit are present.
 ``HFAB_BUILD_CUDA=0`` skips it. Unset: build it when torch has CUDA and CUDA_HOME is found.
 ``HFAB_CUDA_ARCHS`` overrides the target list of every source (default "80;90", and the exact kernels,
 CUDA cores only, also "75"; see csrc/README.md).
+``HFAB_BACKENDS`` (kernel development only, e.g. "exact" or "race,stieltjes") builds the kernels of those backends
+alone, a shorter build on a GPU machine; the others then have no CUDA kernel.
 """
 import glob
 import os
@@ -34,13 +36,26 @@ def _want_cuda():
     return usable and bool(_cuda_sources())
 
 
+def _selected(sources):
+    """The sources of the backends named in HFAB_BACKENDS (all when unset), and everything outside backend folders."""
+    names = [b.strip() for b in os.environ.get("HFAB_BACKENDS", "").split(",") if b.strip()]
+    if not names:
+        return sources
+    folders = sorted(d for d in os.listdir("csrc") if os.path.isdir(os.path.join("csrc", d)) and d != "common")
+    unknown = sorted(set(names) - set(folders))
+    if unknown:
+        raise RuntimeError(f"HFAB_BACKENDS={os.environ['HFAB_BACKENDS']!r}: unknown {unknown}; supported: {folders}")
+    return [s for s in sources
+            if os.path.normpath(s).split(os.sep)[1] not in folders or os.path.normpath(s).split(os.sep)[1] in names]
+
+
 def _cuda_sources():
-    return sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
+    return _selected(sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True)))
 
 
 def _host_sources():
     """csrc/extension.cpp and the C++ beside the kernels (autograd registrations), compiled by the host compiler."""
-    return sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    return _selected(sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True)))
 
 
 DEFAULT_ARCHS = ["80", "90"]

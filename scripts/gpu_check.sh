@@ -11,7 +11,8 @@
 #                     6 files: env.log build.log pytest.log bench.log <gpu>.csv <gpu>.png
 #   PYTHON            interpreter (default python3)
 #   TOTAL_BUDGET_S    seconds for the whole script (default 540)
-#   BUILD             auto (default: when csrc/ has .cu files and they, setup.py or HFAB_CUDA_ARCHS changed since the
+#   BUILD             auto (default: when csrc/ has .cu files and they, setup.py, HFAB_CUDA_ARCHS or HFAB_BACKENDS
+#                     (setup.py: build only those backends' kernels) changed since the
 #                     last build in this tree: a warm GPU machine that receives the tree again keeps build/ and the
 #                     extension, but every copied source looks newer than its object, so a plain build redoes all) | 1 | 0
 #   BUILD_BUDGET_S    cap on the build (default 300); MAX_JOBS parallel nvcc jobs (default: all cores)
@@ -95,7 +96,7 @@ EOF
 section "build"
 # what the extension is built from: sources, setup.py, the target list
 SOURCES_HASH=$( { find csrc -type f \( -name '*.cu' -o -name '*.cuh' -o -name '*.cpp' -o -name '*.h' \) | LC_ALL=C sort \
-    | xargs cat; cat setup.py; echo "${HFAB_CUDA_ARCHS:-}"; } 2>/dev/null | sha256sum | cut -c1-16)
+    | xargs cat; cat setup.py; echo "${HFAB_CUDA_ARCHS:-} ${HFAB_BACKENDS:-}"; } 2>/dev/null | sha256sum | cut -c1-16)
 BUILT_HASH_FILE=$ROOT/build/.hfab_sources
 skip_reason="BUILD=$BUILD"
 if [[ $BUILD == auto ]]; then
