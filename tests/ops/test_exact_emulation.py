@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from tests.inputs import make_padding
-from tests.ops.cuda_helpers import make_inputs
-from tests.ops.emulation import build, check_rc, nan_like, ptr
+from tests.ops.emulation import build, check_rc, cpu_inputs, nan_like, ptr
 from tests.ops.test_exact_cuda import check_against_oracle
 
 
@@ -36,10 +35,6 @@ def emulated(lib):
                                ptr(delta), ptr(dq), ptr(dk), ptr(dv)), "exact_bwd")
         return out, lse, (dq, dk, dv)
     return run
-
-
-def cpu_inputs(b, hq, hkv, nq, nk, d, **kw):
-    return make_inputs(b, hq, hkv, nq, nk, d, device="cpu", **kw)
 
 
 @pytest.mark.parametrize("d", [32, 64, 128])

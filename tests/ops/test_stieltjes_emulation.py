@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from tests.inputs import make_padding
-from tests.ops.cuda_helpers import make_inputs
-from tests.ops.emulation import build, check_rc, nan_like, ptr
+from tests.ops.emulation import build, check_rc, cpu_inputs, nan_like, ptr
 from tests.ops.test_stieltjes_cuda import CONVERGED, check_against_oracle
 
 
@@ -38,10 +37,6 @@ def emulated(lib):
                                    ptr(lam), ptr(delta), ptr(lsum), ptr(dq), ptr(dk), ptr(dv)), "stieltjes_bwd")
         return (out, rowmax, lam), (dq, dk, dv)
     return run
-
-
-def cpu_inputs(b, hq, hkv, nq, nk, d, **kw):
-    return make_inputs(b, hq, hkv, nq, nk, d, device="cpu", **kw)
 
 
 @pytest.mark.parametrize("d", [32, 64, 128])

@@ -32,7 +32,7 @@ def cuda_include():
 
 def _sources(name):
     own = [os.path.join(HERE, f"{name}_emulation.cpp"), os.path.join(HERE, "cuda_on_cpu.h"),
-           os.path.join(HERE, "common", "ptx.cuh")]
+           os.path.join(HERE, "harness.h"), os.path.join(HERE, "common", "ptx.cuh")]
     return own + sorted(glob.glob(os.path.join(CSRC, "common", "*.cuh")) +
                         glob.glob(os.path.join(CSRC, name, "*_kernels.cuh")))
 
@@ -61,6 +61,12 @@ def ptr(t):
 def nan_like(t, shape=None, dtype=None):
     """NaN-filled output: an element the kernel does not write fails the oracle check."""
     return torch.full(shape if shape is not None else t.shape, float("nan"), dtype=dtype or t.dtype)
+
+
+def cpu_inputs(b, hq, hkv, nq, nk, d, **kw):
+    """tests.ops.cuda_helpers.make_inputs on the CPU."""
+    from tests.ops.cuda_helpers import make_inputs
+    return make_inputs(b, hq, hkv, nq, nk, d, device="cpu", **kw)
 
 
 def check_rc(rc, what):

@@ -1,7 +1,7 @@
 // The exact attention kernels (csrc/exact/exact_kernels.cuh) on the CPU through cuda_on_cpu.h, with the launch
 // geometry of csrc/exact/exact_fwd.cu and exact_bwd.cu. A C interface for ctypes (tests/ops/test_exact_emulation.py);
 // tensors are contiguous (B, H, N, D) arrays of 16-bit elements, lse (B, Hq, Nq) fp32, mask (B, Nk) bytes or null.
-#include "cuda_on_cpu.h"
+#include "harness.h"
 
 #include "exact/exact_kernels.cuh"
 
@@ -10,9 +10,6 @@ namespace {
 using namespace hfab::exact;
 using hfab::kTileThreads;
 
-hfab::Strides contiguous(int h, int n, int d) {
-  return {static_cast<long long>(h) * n * d, static_cast<long long>(n) * d, d};
-}
 
 Params params(int d, int b, int hq, int hkv, int nq, int nk, int causal, float scale, const void* q, const void* k,
               const void* v, const unsigned char* mask) {
@@ -23,8 +20,8 @@ Params params(int d, int b, int hq, int hkv, int nq, int nk, int causal, float s
   p.v = v;
   p.key_padding_mask = mask;
   p.kpm_stride = nk;
-  p.sq = contiguous(hq, nq, d);
-  p.sk = p.sv = contiguous(hkv, nk, d);
+  p.sq = emu::contiguous(hq, nq, d);
+  p.sk = p.sv = emu::contiguous(hkv, nk, d);
   p.so = p.sdo = p.sq;
   p.hq = hq;
   p.groups = hq / hkv;
@@ -36,12 +33,10 @@ Params params(int d, int b, int hq, int hkv, int nq, int nk, int causal, float s
   return p;
 }
 
-unsigned blocks(long long n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
-
 template <typename T, int D>
 bool forward(const Params& p, int b) {
   using Tiles = FwdTiles<D>;
-  return emu::launch(dim3(blocks(p.nq, Tiles::BQ), p.hq, b), kTileThreads,
+  return emu::launch(dim3(emu::blocks(p.nq, Tiles::BQ), p.hq, b), kTileThreads,
               [&] { exact_attn_fwd_kernel<T, D, Tiles::BQ, Tiles::BK>(p); });
 }
 
@@ -51,27 +46,15 @@ bool backward(const Params& p, int b, int hkv) {
   using Dkv = DkvTiles<D>;
   bool ok = true;
   if (p.nq > 0) {
-    ok = ok && emu::launch(dim3(blocks(static_cast<long long>(p.hq) * p.nq, kTileThreads / 32), b), kTileThreads,
+    ok = ok && emu::launch(dim3(emu::blocks(static_cast<long long>(p.hq) * p.nq, kTileThreads / 32), b), kTileThreads,
                            [&] { exact_delta_bwd_kernel<T, D>(p); });
-    ok = ok && emu::launch(dim3(blocks(p.nq, Dq::BQ), p.hq, b), kTileThreads,
+    ok = ok && emu::launch(dim3(emu::blocks(p.nq, Dq::BQ), p.hq, b), kTileThreads,
                            [&] { exact_dq_bwd_kernel<T, D, Dq::BQ, Dq::BK>(p); });
   }
   if (p.nk > 0)
-    ok = ok && emu::launch(dim3(blocks(p.nk, Dkv::BK), hkv, b), kTileThreads,
+    ok = ok && emu::launch(dim3(emu::blocks(p.nk, Dkv::BK), hkv, b), kTileThreads,
                            [&] { exact_dkv_bwd_kernel<T, D, Dkv::BK, Dkv::BQ>(p); });
   return ok;
-}
-
-// fn.template operator()<T, D>() for bf16 in {0, 1} and d in {32, 64, 128}: 0 done, 1 unsupported d, 2 deadlock.
-template <typename Fn>
-int dispatch(int bf16, int d, Fn&& fn) {
-  auto by_dim = [&]<typename T>() {
-    if (d == 32) return fn.template operator()<T, 32>() ? 0 : 2;
-    if (d == 64) return fn.template operator()<T, 64>() ? 0 : 2;
-    if (d == 128) return fn.template operator()<T, 128>() ? 0 : 2;
-    return 1;
-  };
-  return bf16 ? by_dim.template operator()<__nv_bfloat16>() : by_dim.template operator()<__half>();
 }
 
 }  // namespace
@@ -84,7 +67,7 @@ int exact_fwd(int bf16, int d, int b, int hq, int hkv, int nq, int nk, int causa
   Params p = params(d, b, hq, hkv, nq, nk, causal, scale, q, k, v, mask);
   p.o = out;
   p.lse_out = lse;
-  return dispatch(bf16, d, [&]<typename T, int D>() { return forward<T, D>(p, b); });
+  return emu::dispatch(bf16, d, [&]<typename T, int D>() { return forward<T, D>(p, b); });
 }
 
 // dq, dk, dv = exact backward (delta: (B, Hq, Nq) fp32 scratch). Returns as exact_fwd.
@@ -99,7 +82,7 @@ int exact_bwd(int bf16, int d, int b, int hq, int hkv, int nq, int nk, int causa
   p.o = dq;
   p.dk = dk;
   p.dv = dv;
-  return dispatch(bf16, d, [&]<typename T, int D>() { return backward<T, D>(p, b, hkv); });
+  return emu::dispatch(bf16, d, [&]<typename T, int D>() { return backward<T, D>(p, b, hkv); });
 }
 
 }  // extern "C"

@@ -2,7 +2,7 @@
 // cuda_on_cpu.h and common/ptx.cuh of this folder, with the launch geometry of csrc/stieltjes/stieltjes_fwd.cu and
 // stieltjes_bwd.cu. A C interface for ctypes (tests/ops/test_stieltjes_emulation.py); tensors are contiguous
 // (B, H, N, D) arrays of 16-bit elements, row states (B, Hq, Nq) fp32, mask (B, Nk) bytes or null.
-#include "cuda_on_cpu.h"
+#include "harness.h"
 
 namespace hfab {
 namespace stieltjes {
@@ -18,9 +18,6 @@ namespace {
 
 using namespace hfab::stieltjes;
 
-hfab::Strides contiguous(int h, int n, int d) {
-  return {static_cast<long long>(h) * n * d, static_cast<long long>(n) * d, d};
-}
 
 Params params(int d, int hq, int hkv, int nq, int nk, int causal, float scale, float order, const void* q,
               const void* k, const void* v, const unsigned char* mask) {
@@ -31,8 +28,8 @@ Params params(int d, int hq, int hkv, int nq, int nk, int causal, float scale, f
   p.kpm = mask;
   p.kpm_sb = nk;
   p.kpm_sn = 1;
-  p.sq = p.sdo = contiguous(hq, nq, d);
-  p.sk = p.sv = contiguous(hkv, nk, d);
+  p.sq = p.sdo = emu::contiguous(hq, nq, d);
+  p.sk = p.sv = emu::contiguous(hkv, nk, d);
   p.hq = hq;
   p.groups = hq / hkv;
   p.nq = nq;
@@ -43,8 +40,6 @@ Params params(int d, int hq, int hkv, int nq, int nk, int causal, float scale, f
   return p;
 }
 
-unsigned blocks(long long n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
-
 template <typename Smem>
 void check_smem() {
   static_assert(sizeof(Smem) <= sizeof(smem_raw), "dynamic shared memory of the emulation too small");
@@ -54,7 +49,7 @@ template <typename T, int D, int IORD>
 bool forward(const Params& p, int b) {
   using Cfg = FwdCfg<D>;
   check_smem<typename Cfg::Smem>();
-  return emu::launch(dim3(blocks(p.nq, Cfg::BQ), p.hq, b), kThreads, [&] { stieltjes_fwd_kernel<T, D, IORD>(p); });
+  return emu::launch(dim3(emu::blocks(p.nq, Cfg::BQ), p.hq, b), kThreads, [&] { stieltjes_fwd_kernel<T, D, IORD>(p); });
 }
 
 template <typename T, int D, int IORD>
@@ -65,27 +60,22 @@ bool backward(const Params& p, int b, int hkv) {
   check_smem<typename Dkv::Smem>();
   bool ok = true;
   if (p.nq > 0)
-    ok = ok && emu::launch(dim3(blocks(p.nq, Dq::BQ), p.hq, b), kThreads, [&] { stieltjes_dq_kernel<T, D, IORD>(p); });
+    ok = ok && emu::launch(dim3(emu::blocks(p.nq, Dq::BQ), p.hq, b), kThreads,
+                           [&] { stieltjes_dq_kernel<T, D, IORD>(p); });
   if (p.nk > 0)
-    ok = ok && emu::launch(dim3(blocks(p.nk, Dkv::BK), hkv, b), kThreads, [&] { stieltjes_dkv_kernel<T, D, IORD>(p); });
+    ok = ok && emu::launch(dim3(emu::blocks(p.nk, Dkv::BK), hkv, b), kThreads,
+                           [&] { stieltjes_dkv_kernel<T, D, IORD>(p); });
   return ok;
 }
 
-// fn.template operator()<T, D, IORD>() as stieltjes_host.cuh dispatches: 0 done, 1 unsupported d, 2 deadlock.
+// fn.template operator()<T, D, IORD>() with IORD as stieltjes_host.cuh picks it (4, 2: fast paths; 0: any order).
 template <typename Fn>
 int dispatch(int bf16, int d, float order, Fn&& fn) {
-  auto by_order = [&]<typename T, int D>() {
+  return emu::dispatch(bf16, d, [&]<typename T, int D>() {
     if (order == 4.0f) return fn.template operator()<T, D, 4>();
     if (order == 2.0f) return fn.template operator()<T, D, 2>();
     return fn.template operator()<T, D, 0>();
-  };
-  auto by_dim = [&]<typename T>() {
-    if (d == 32) return by_order.template operator()<T, 32>() ? 0 : 2;
-    if (d == 64) return by_order.template operator()<T, 64>() ? 0 : 2;
-    if (d == 128) return by_order.template operator()<T, 128>() ? 0 : 2;
-    return 1;
-  };
-  return bf16 ? by_dim.template operator()<__nv_bfloat16>() : by_dim.template operator()<__half>();
+  });
 }
 
 }  // namespace

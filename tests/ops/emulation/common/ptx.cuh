@@ -17,7 +17,9 @@ namespace mma {
 namespace emulated {
 
 inline float bits_to_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline float half_of(uint32_t w, int hi, __half) { return __half2float(__ushort_as_half(static_cast<unsigned short>(hi ? w >> 16 : w & 0xffffu))); }
+inline float half_of(uint32_t w, int hi, __half) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(hi ? w >> 16 : w & 0xffffu)));
+}
 inline float half_of(uint32_t w, int hi, __nv_bfloat16) { return bits_to_float((hi ? w >> 16 : w & 0xffffu) << 16); }
 
 struct Frag {
