@@ -21,6 +21,11 @@ def emulator(tmp_path_factory):
     return build("exact", tmp_path_factory.mktemp("emulation"))
 
 
+def test_the_emulator_shuffles_votes_and_reports_deadlocks(emulator):
+    assert emulator.emulation_check_warp_ops() == 0
+    assert emulator.emulation_check_deadlock() == 0
+
+
 def emulated(lib):
     """run_kernel for check_against_oracle: the forward, then the backward on the forward's out and lse."""
     def run(q, k, v, dout, *, causal, scale, mask):

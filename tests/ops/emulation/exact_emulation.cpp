@@ -85,4 +85,26 @@ int exact_bwd(int bf16, int d, int b, int hq, int hkv, int nq, int nk, int causa
   return emu::dispatch(bf16, d, [&]<typename T, int D>() { return backward<T, D>(p, b, hkv); });
 }
 
+// The emulator itself: 0 when shuffles and votes give every lane the right values (1 otherwise).
+int emulation_check_warp_ops() {
+  int wrong = 0;
+  const bool done = emu::launch(dim3(2, 1, 1), 64, [&] {
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int x = 100 * warp + 3 * lane;
+    wrong += __shfl_xor_sync(0xffffffffu, x, 5) != 100 * warp + 3 * (lane ^ 5);
+    wrong += __shfl_sync(0xffffffffu, x, 7) != 100 * warp + 21;
+    wrong += __all_sync(0xffffffffu, lane < 32) != 1 || __all_sync(0xffffffffu, lane != warp) != 0;
+  });
+  return done && wrong == 0 ? 0 : 1;
+}
+
+// 0 when a __syncthreads that one thread never reaches is reported as a deadlock (1 otherwise).
+int emulation_check_deadlock() {
+  const bool done = emu::launch(dim3(1, 1, 1), 64, [] {
+    if (threadIdx.x == 0) return;
+    __syncthreads();
+  });
+  return done ? 1 : 0;
+}
+
 }  // extern "C"
