@@ -65,3 +65,8 @@ def test_key_padding(emulator, d):
 def test_bottom_right_causal_and_empty_rows(emulator, nq, nk):
     q, k, v = cpu_inputs(1, 2, 1, nq, nk, 128)  # (70, 33): queries 0..36 see no key
     check_against_oracle(q, k, v, causal=True, run=emulated(emulator))
+
+
+def test_decode_one_query_against_many_key_tiles(emulator):
+    q, k, v = cpu_inputs(2, 4, 1, 1, 130, 64)  # GQA 4:1
+    check_against_oracle(q, k, v, causal=True, run=emulated(emulator))

@@ -55,3 +55,9 @@ def test_other_orders(emulator, order):
 def test_bfloat16_key_padding_and_bottom_right_causal(emulator):
     q, k, v = cpu_inputs(2, 2, 1, 20, 90, 64, dtype=torch.bfloat16)
     check_against_oracle(q, k, v, causal=True, mask=make_padding(2, 90, seed=4), run=emulated(emulator))
+
+
+@pytest.mark.parametrize("nq, nk", [(1, 130), (70, 33)])
+def test_decode_and_rows_without_keys(emulator, nq, nk):
+    q, k, v = cpu_inputs(1, 4, 1, nq, nk, 128)  # GQA 4:1; (70, 33) causal: queries 0..36 see no key
+    check_against_oracle(q, k, v, causal=True, run=emulated(emulator))
