@@ -31,13 +31,13 @@ GRAD_FLOOR = 1e-5      # fp32 residue of G.v - c where the exact gradient is 0 (
 FP32_SUM_FLOOR = 1e-4  # x (1 + max|oracle|): fp32 sums in another order (dbeta; float32 inputs)
 
 
-def make_planes(num_tables, num_planes, d, seed=0):
-    return hfab.make_planes(num_tables, num_planes, d, seed=seed).to(DEV)
+def make_planes(num_tables, num_planes, d, seed=0, device=DEV):
+    return hfab.make_planes(num_tables, num_planes, d, seed=seed).to(device)
 
 
-def per_head_beta(hq, d, mult=1.0):
+def per_head_beta(hq, d, mult=1.0, device=DEV):
     """(Hq,) fp32, a different beta per head around D**-0.5."""
-    return (torch.linspace(0.5, 1.5, hq, device=DEV) * d ** -0.5 * mult).float()
+    return (torch.linspace(0.5, 1.5, hq, device=device) * d ** -0.5 * mult).float()
 
 
 def oracle(q, k, v, planes, beta, *, causal, mask):
@@ -85,10 +85,13 @@ def reference_run(q, k, v, planes, beta, dout, *, causal, mask):
     return out.detach(), torch.autograd.grad(out, leaves, dout)
 
 
-def check_against_oracle(q, k, v, planes, beta, *, causal, mask=None, seed=1):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    dout = torch.randn(q.shape, device=DEV, generator=g).to(q.dtype)
-    out, grads = run_kernel(q, k, v, planes, beta, dout, causal=causal, mask=mask)
+def check_against_oracle(q, k, v, planes, beta, *, causal, mask=None, seed=1, run=run_kernel):
+    """The kernels' out, dq, dk, dv, dbeta against float64 with the reference's error as the yardstick.
+
+    run: like run_kernel (the CUDA ops, the default)."""
+    g = torch.Generator(device=q.device).manual_seed(seed)
+    dout = torch.randn(q.shape, device=q.device, generator=g).to(q.dtype)
+    out, grads = run(q, k, v, planes, beta, dout, causal=causal, mask=mask)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
 
     leaves = [t.double().requires_grad_(True) for t in (q, k, v, beta)]

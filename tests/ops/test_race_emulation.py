@@ -1,0 +1,71 @@
+"""The RACE kernels on the CPU: csrc/race's tensor-core kernels (fp16/bf16, S <= 64) and CUDA-core kernels (fp32, or
+S > 64) compiled by g++ with tests/ops/emulation, launched in the order of race_fwd.cu / race_bwd.cu, and checked
+against the float64 oracle exactly as the GPU tests check the real kernels (tests/ops/test_race_cuda.py). Timing and
+the memory model beyond barriers stay with the GPU tests.
+"""
+import ctypes
+
+import pytest
+import torch
+
+from tests.inputs import make_padding
+from tests.ops.emulation import build, check_rc, cpu_inputs, nan_like, ptr
+from tests.ops.test_race_cuda import check_against_oracle, make_planes, per_head_beta
+
+DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return build("race", tmp_path_factory.mktemp("emulation"))
+
+
+def emulated(lib):
+    """run_kernel for check_against_oracle: out, then (dq, dk, dv, dbeta) from the emulated kernels."""
+    def run(q, k, v, planes, beta, dout, *, causal, mask):
+        b, hq, nq, d = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        tables, planes_per_table = planes.shape[0], planes.shape[1]
+        flat_planes = planes.float().contiguous()
+        beta_h = beta.float().reshape(-1).expand(hq).contiguous()
+        shape = (DTYPES[q.dtype], d, b, hq, hkv, nq, nk, int(causal), planes_per_table, tables)
+        m = mask.to(torch.uint8).contiguous() if mask is not None else None
+        inputs = (ptr(q), ptr(k), ptr(v), ptr(flat_planes), ptr(beta_h), ptr(m))
+        out = nan_like(q)
+        check_rc(lib.race_fwd(*shape, *inputs, ptr(out)), "race_fwd")
+        dq, dk, dv, dbeta_h = nan_like(q), nan_like(k), nan_like(v), nan_like(beta_h)
+        check_rc(lib.race_bwd(*shape, *inputs, ptr(dout.contiguous()), ptr(dq), ptr(dk), ptr(dv), ptr(dbeta_h)),
+                 "race_bwd")
+        dbeta = dbeta_h.sum() if beta.dim() == 0 else dbeta_h
+        return out, (dq, dk, dv, dbeta.to(beta.dtype))
+    return run
+
+
+def check(lib, b, hq, hkv, nq, nk, d, *, causal, dtype=torch.float16, tables=4, planes_per_table=4, mask=None):
+    q, k, v = cpu_inputs(b, hq, hkv, nq, nk, d, dtype=dtype)
+    planes = make_planes(tables, planes_per_table, d, device="cpu")
+    check_against_oracle(q, k, v, planes, per_head_beta(hq, d, device="cpu"), causal=causal, mask=mask,
+                         run=emulated(lib))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tensor_cores_gqa(emulator, causal):
+    check(emulator, 1, 2, 1, 130, 130, 64, causal=causal)  # three chunks, a ragged one; GQA 2:1 (dk/dv scratch)
+
+
+@pytest.mark.parametrize("d", [32, 128])
+def test_bfloat16_head_dims(emulator, d):
+    check(emulator, 1, 2, 2, 70, 70, d, causal=True, dtype=torch.bfloat16)
+
+
+def test_float32_cuda_cores(emulator):
+    check(emulator, 1, 2, 1, 70, 70, 64, causal=True, dtype=torch.float32)
+
+
+def test_more_than_64_features_take_the_cuda_core_kernels(emulator):
+    check(emulator, 1, 2, 2, 70, 70, 32, causal=False, tables=2, planes_per_table=6)  # S = 128
+
+
+@pytest.mark.parametrize("nq, nk", [(40, 150), (150, 40)])
+def test_bottom_right_causal_with_padding(emulator, nq, nk):
+    check(emulator, 2, 2, 1, nq, nk, 64, causal=True, mask=make_padding(2, nk, seed=3))
