@@ -47,6 +47,8 @@ struct Barrier {
 struct Fiber {
   ucontext_t context;
   bool done = false;
+  const Barrier* waiting = nullptr;  // the barrier this fiber waits at, and its generation then
+  unsigned long waiting_generation = 0;
 };
 
 struct Block {
@@ -72,7 +74,11 @@ inline void wait(Barrier& b) {
     ++b.generation;
     return;
   }
+  Fiber& me = current->fibers[current->running];
+  me.waiting = &b;  // the scheduler resumes this fiber only once the generation moved on
+  me.waiting_generation = generation;
   while (b.generation == generation) yield();
+  me.waiting = nullptr;
 }
 
 inline Barrier& warp_barrier() { return current->warps[threadIdx.x / 32]; }
@@ -129,7 +135,8 @@ inline bool launch(dim3 grid, unsigned threads, const std::function<void()>& bod
         for (unsigned alive = threads; alive > 0;) {
           const unsigned long before = block.progress;
           for (unsigned t = 0; t < threads; ++t) {
-            if (block.fibers[t].done) continue;
+            const Fiber& f = block.fibers[t];
+            if (f.done || (f.waiting != nullptr && f.waiting->generation == f.waiting_generation)) continue;
             block.running = t;
             threadIdx = make_uint3(t, 0, 0);
             swapcontext(&block.scheduler, &block.fibers[t].context);
