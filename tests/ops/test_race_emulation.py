@@ -69,3 +69,8 @@ def test_more_than_64_features_take_the_cuda_core_kernels(emulator):
 @pytest.mark.parametrize("nq, nk", [(40, 150), (150, 40)])
 def test_bottom_right_causal_with_padding(emulator, nq, nk):
     check(emulator, 2, 2, 1, nq, nk, 64, causal=True, mask=make_padding(2, nk, seed=3))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_more_than_one_group_of_chunks(emulator, causal):
+    check(emulator, 1, 1, 1, 1100, 1100, 32, causal=causal, tables=2, planes_per_table=2)  # 18 chunks: two groups
