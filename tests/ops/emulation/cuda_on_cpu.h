@@ -156,8 +156,14 @@ inline bool launch(dim3 grid, unsigned threads, const std::function<void()>& bod
 
 inline void __syncthreads() { emu::wait(emu::current->all); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::wait(emu::warp_barrier()); }
-template <typename V> V __shfl_sync(unsigned, V v, int src) { return emu::exchange(v, static_cast<unsigned>(src)); }
-template <typename V> V __shfl_xor_sync(unsigned, V v, int mask) { return emu::exchange(v, (threadIdx.x % 32) ^ mask); }
+template <typename V>
+V __shfl_sync(unsigned, V v, int src) {
+  return emu::exchange(v, static_cast<unsigned>(src));
+}
+template <typename V>
+V __shfl_xor_sync(unsigned, V v, int mask) {
+  return emu::exchange(v, (threadIdx.x % 32) ^ mask);
+}
 inline int __all_sync(unsigned, int pred) {
   const auto all = emu::gather(pred != 0);
   return std::all_of(all.begin(), all.end(), [](bool x) { return x; }) ? 1 : 0;

@@ -10,10 +10,8 @@ namespace {
 using namespace hfab::exact;
 using hfab::kTileThreads;
 
-
-Params params(int d, int b, int hq, int hkv, int nq, int nk, int causal, float scale, const void* q, const void* k,
+Params params(int d, int hq, int hkv, int nq, int nk, int causal, float scale, const void* q, const void* k,
               const void* v, const unsigned char* mask) {
-  (void)b;
   Params p{};
   p.q = q;
   p.k = k;
@@ -64,7 +62,7 @@ extern "C" {
 // out, lse = exact forward. Returns 0; 1 for an unsupported head dim, 2 when a block's threads deadlock.
 int exact_fwd(int bf16, int d, int b, int hq, int hkv, int nq, int nk, int causal, float scale, const void* q,
               const void* k, const void* v, const unsigned char* mask, void* out, float* lse) {
-  Params p = params(d, b, hq, hkv, nq, nk, causal, scale, q, k, v, mask);
+  Params p = params(d, hq, hkv, nq, nk, causal, scale, q, k, v, mask);
   p.o = out;
   p.lse_out = lse;
   return emu::dispatch(bf16, d, [&]<typename T, int D>() { return forward<T, D>(p, b); });
@@ -74,7 +72,7 @@ int exact_fwd(int bf16, int d, int b, int hq, int hkv, int nq, int nk, int causa
 int exact_bwd(int bf16, int d, int b, int hq, int hkv, int nq, int nk, int causal, float scale, const void* q,
               const void* k, const void* v, const unsigned char* mask, const void* out, const void* dout,
               const float* lse, float* delta, void* dq, void* dk, void* dv) {
-  Params p = params(d, b, hq, hkv, nq, nk, causal, scale, q, k, v, mask);
+  Params p = params(d, hq, hkv, nq, nk, causal, scale, q, k, v, mask);
   p.out = out;
   p.dout = dout;
   p.lse = lse;
