@@ -165,12 +165,22 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   bp.dkeys_kv = dkeys_kv.data_ptr<float>();
   bp.dvals_kv = dvals_kv.data_ptr<float>();
 
-  constexpr int kv_tc_bytes = tc::KvSmem<D>::bytes;  // 31 / 55 / 69 KB at D 32 / 64 / 128
   const int dq_tc_bytes = tc::DqSmem<D>::bytes(in.p.slots);  // 54 KB at D 64, m 32; 136 KB at D 128, m 64
   const auto launch_key_gradients = [&] {
-    if (on_tensor_cores(kv_tc_bytes, device)) {
-      launch_dynamic(tc::nystrom_kv_tc_bwd_kernel<T, D>, grid_of(div_up(N, tc::kK3Keys), in.hkv, B), tc::kK3Threads,
-                     kv_tc_bytes, bp, stream);
+    // the group's landmarks staged once per block where they fit 64 rows (41 / 74 / 105 KB at D 32 / 64 / 128), else
+    // restaged per key tile (41 / 74 / 70 KB)
+    using Resident = tc::KvSmem<D, true>;
+    using Restaged = tc::KvSmem<D, false>;
+    const auto launch = [&](auto kernel, int bytes) {
+      const auto [splits, chunk] = split_plan(N, tc::kK3Keys, in.hkv * B,
+                                              resident_blocks(reinterpret_cast<const void*>(kernel), tc::kK3Threads, bytes));
+      bp.kv_chunk = static_cast<int>(chunk);
+      launch_dynamic(kernel, grid_of(splits, in.hkv, B), tc::kK3Threads, bytes, bp, stream);
+    };
+    if (Resident::fits(static_cast<int>(in.groups), static_cast<int>(m)) && on_tensor_cores(Resident::bytes, device)) {
+      launch(tc::nystrom_kv_tc_bwd_kernel<T, D, true>, Resident::bytes);
+    } else if (on_tensor_cores(Restaged::bytes, device)) {
+      launch(tc::nystrom_kv_tc_bwd_kernel<T, D, false>, Restaged::bytes);
     } else {
       BwdKernel::of<typename KvTiles<D>::Smem>(nystrom_kv_bwd_kernel<T, D>)
           .launch(grid_of(div_up(N, KvTiles<D>::BK), in.hkv, B), bp, stream);

@@ -47,6 +47,7 @@ struct BwdParams {
   const float* dkeys_kv;        // (B, Hkv, slots, D): d keys summed over each kv head's q heads
   const float* dvals_kv;        // (B, Hkv, slots, D)
   const float* dkl;             // (B, Hkv, m, D): d K̃ (scaled landmark keys), summed over the group
+  int kv_chunk;                 // keys per split of nystrom_kv_tc_bwd_kernel (a multiple of 64)
   const float* dkl_late;        // (B, Hkv, m, D): the Newton–Schulz path's part of d K̃, which the dk/dv kernel ran
                                 // without (beside that path's VJP): nystrom_dk_late_bwd_kernel adds it to dk
   const float* dql;             // (B, Hq, m, D): d Q̃ (scaled landmark queries)

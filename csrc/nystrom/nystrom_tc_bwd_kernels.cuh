@@ -406,93 +406,44 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bw
   }
 }
 
-// Dynamic shared memory of the dk/dv kernel: k, v [64][D + 8] T (the block's keys); landmarks hi, lo and dW0 hi, lo
-// [kLand][D + 8] T (one q head's tile of kLand landmarks: 32 at D 128, where the two D-wide accumulators take 128
-// registers, else 64); lse3, rowdot [kLand] fp32.
-template <int D> struct KvSmem {
+// Dynamic shared memory of the dk/dv kernel: k, v [kStages][64][D + 8] T (the block's key tiles: two stages, the next
+// tile's copy in flight during this one, where two blocks still fit an SM, else one); landmarks hi, lo and dW0 hi, lo
+// [kStage][D + 8] T; lse3, rowdot [kStage] fp32. RESIDENT: every landmark row of the group's q heads, staged once per
+// block (64 rows: groups · round16(m) <= 64); else one tile of kLand landmarks at a time, restaged per key tile. kLand
+// is what one pass computes: 32 at D 128, where the two D-wide fp32 accumulators take 128 registers, else 64.
+template <int D, bool RESIDENT> struct KvSmem {
   static constexpr int kLand = D == 128 ? 32 : 64;
-  static constexpr int kRow = D + 8, kKeyTile = kK3Keys * kRow, kLandTile = kLand * kRow;
-  static constexpr int bytes = 2 * kKeyTile * 2 + 4 * kLandTile * 2 + 2 * kLand * 4;
+  static constexpr int kStage = RESIDENT ? 64 : kLand;
+  static constexpr int kStages = D == 128 ? 1 : 2;
+  static constexpr int kRow = D + 8, kKeyTile = kK3Keys * kRow;
+  static constexpr int bytes = 2 * kStages * kKeyTile * 2 + 4 * kStage * kRow * 2 + 2 * kStage * 4;
+  static __host__ __device__ bool fits(int groups, int m) { return groups * ((m + 15) / 16 * 16) <= 64; }
 };
 
-// Grid (ceil(N / 64), Hkv, B), 128 threads.
+// Landmark rows [l0, l0 + count) of head bh (Q̃ and dW0 split into 16-bit halves, lse3, rowdot) into stage rows
+// [at, at + rows), rows >= count zero.
 template <typename T, int D>
-__global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bwd_kernel(const BwdParams bp) {
-  using S = KvSmem<D>;
-  constexpr int kLand = S::kLand;
-  extern __shared__ __align__(16) unsigned char smem[];
-  uint16_t* kt = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* vt = kt + S::kKeyTile;
-  uint16_t* lhi = vt + S::kKeyTile;
-  uint16_t* llo = lhi + S::kLandTile;
-  uint16_t* whi = llo + S::kLandTile;
-  uint16_t* wlo = whi + S::kLandTile;
-  float* lse = reinterpret_cast<float*>(wlo + S::kLandTile);
-  float* rd = lse + kLand;
+__device__ __forceinline__ void stage_landmarks(const BwdParams& bp, long long bh, int l0, int count, int rows, int at,
+                                                uint16_t* const (&halves)[4], float* lse, float* rd) {
   const Params& p = bp.p;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int j0 = blockIdx.x * kK3Keys, kvh = blockIdx.y, b = blockIdx.z;
+  const int off = at * (D + 8);
+  split_rows<T, D, kK3Threads>(p.q_land + (bh * p.m + l0) * D, count, rows, halves[0] + off, halves[1] + off);
+  split_rows<T, D, kK3Threads>(bp.dw0 + (bh * p.m + l0) * D, count, rows, halves[2] + off, halves[3] + off);
+  for (int c = threadIdx.x; c < rows; c += kK3Threads) {
+    lse[at + c] = c < count ? bp.lse3[bh * p.m + l0 + c] : 0.f;
+    rd[at + c] = c < count ? bp.rowdot[bh * p.m + l0 + c] : 0.f;
+  }
+}
+
+// Key rows j, j + 8 (< N) of this lane's C-layout accumulators dk, dv (columns 8 dn + 2 t, + 1): the rest of their
+// gradients added (key_row_gradients), then dk √scale and dv stored.
+template <typename T, int D>
+__device__ __forceinline__ void store_key_rows(const BwdParams& bp, int b, int kvh, int j, bool landmark,
+                                               const float (&dk)[D / 8][4], const float (&dv)[D / 8][4], int t) {
+  const Params& p = bp.p;
   const long long bg = (long long)b * p.hkv + kvh;
-  const bool landmark = bp.landmarks && !bp.exact[b];
-  float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
-  for (int dn = 0; dn < D / 8; ++dn)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[dn][e] = dv[dn][e] = 0.f;
-  int dk_exps[2] = {kRowExpMax, kRowExpMax}, dv_exps[2] = {kRowExpMax, kRowExpMax};
-  float bias[2];  // 0 / -inf for this lane's key rows g, g + 8
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int j = j0 + 16 * warp + g + 8 * r;
-    bias[r] = j < p.n && (p.mask == nullptr || p.mask[b * p.mask_stride + j]) ? 0.f : -inf();
-  }
-
-  if (landmark) {
-    const int n = p.n;
-    auto ok = [=](int r) { return j0 + r < n; };
-    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt, static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h, p.sk.n,
-                                                 j0, ok);
-    mma::load_rows_async<kK3Keys, D, kK3Threads>(vt, static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h, p.sv.n,
-                                                 j0, ok);
-    const float scale_log2 = p.root * kLog2e;
-    for (int hi = 0; hi < p.groups; ++hi) {  // the group's q heads in a fixed order
-      const long long bh = (long long)b * p.hq + kvh * p.groups + hi;
-      for (int l0 = 0; l0 < p.m; l0 += kLand) {
-        __syncthreads();  // the previous tile's readers are done
-        const int count = min(p.m - l0, kLand);
-        split_rows<T, D, kK3Threads>(p.q_land + (bh * p.m + l0) * D, count, kLand, lhi, llo);
-        split_rows<T, D, kK3Threads>(bp.dw0 + (bh * p.m + l0) * D, count, kLand, whi, wlo);
-        for (int c = threadIdx.x; c < kLand; c += kK3Threads) {
-          lse[c] = c < count ? bp.lse3[bh * p.m + l0 + c] : 0.f;
-          rd[c] = c < count ? bp.rowdot[bh * p.m + l0 + c] : 0.f;
-        }
-        mma::cp_async_wait_all();  // k, v (the first tile only)
-        __syncthreads();
-        float s[kLand / 8][4], dp[kLand / 8][4];  // S3ᵀ = k Q̃ᵀ, dP3ᵀ = v dW0ᵀ (keys x landmarks)
-        const uint16_t* const halves[4] = {lhi, llo, whi, wlo};
-        scores_against_halves<T, D>(s, dp, kt, vt, halves, count, warp, lane);
-#pragma unroll
-        for (int c = 0; c < kLand / 8; ++c)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {  // key row g + 8 (e / 2), landmark column 8 c + 2 t + e % 2
-            const int col = 8 * c + 2 * t + (e & 1);
-            const float pr = col < count ? exp2f(fmaf(s[c][e], scale_log2, bias[e >> 1]) - lse[col]) : 0.f;
-            s[c][e] = pr;
-            dp[c][e] = pr * (dp[c][e] - rd[col]);
-          }
-        scale_rows<kLand / 8, D>(s, dv, dv_exps);
-        scale_rows<kLand / 8, D>(dp, dk, dk_exps);
-        halves_product<T, D, kLand / 8, true>(dv, s, whi, wlo, count, lane);   // K3ᵀ dW0
-        halves_product<T, D, kLand / 8, true>(dk, dp, lhi, llo, count, lane);  // dS3ᵀ Q̃
-      }
-    }
-    unscale_rows<D>(dv, dv_exps);
-    unscale_rows<D>(dk, dk_exps);
-  }
-
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int j = j0 + 16 * warp + g + 8 * r;
+  for (int r = 0; r < 2; ++r, j += 8) {
     if (j >= p.n) continue;
     int cols[D / 8];
     float2 gk[D / 8], gv[D / 8];
@@ -510,6 +461,101 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
       dkrow[4 * dn + t] = Pair<T>::from_float2(make_float2(gk[dn].x * p.root, gk[dn].y * p.root));
       dvrow[4 * dn + t] = Pair<T>::from_float2(gv[dn]);
     }
+  }
+}
+
+// Grid (splits, Hkv, B), 128 threads: block x takes the keys [x · kv_chunk, (x + 1) · kv_chunk) in tiles of 64;
+// RESIDENT only where KvSmem::fits(groups, m).
+template <typename T, int D, bool RESIDENT>
+__global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bwd_kernel(const BwdParams bp) {
+  using S = KvSmem<D, RESIDENT>;
+  constexpr int kLand = S::kLand, kStages = S::kStages, kRow = S::kRow, STAGE = S::kStage;
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint16_t* const kv = reinterpret_cast<uint16_t*>(smem);  // stage s: k at 2 s kKeyTile, v at (2 s + 1) kKeyTile
+  uint16_t* const lhi = kv + 2 * kStages * S::kKeyTile;
+  uint16_t* const halves[4] = {lhi, lhi + STAGE * kRow, lhi + 2 * STAGE * kRow, lhi + 3 * STAGE * kRow};
+  float* const lse = reinterpret_cast<float*>(lhi + 4 * STAGE * kRow);
+  float* const rd = lse + STAGE;
+  const Params& p = bp.p;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int kvh = blockIdx.y, b = blockIdx.z, n = p.n;
+  const int first = blockIdx.x * bp.kv_chunk, last = min(n, first + bp.kv_chunk);
+  const bool landmark = bp.landmarks && !bp.exact[b];
+  const int per_head = (p.m + 15) / 16 * 16;
+  const float scale_log2 = p.root * kLog2e;
+  const auto load_keys = [&](int j0, int stage) {
+    const auto ok = [=](int r) { return j0 + r < n; };
+    uint16_t* kt = kv + 2 * stage * S::kKeyTile;
+    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt, static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h, p.sk.n,
+                                                 j0, ok);
+    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt + S::kKeyTile,
+                                                 static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h, p.sv.n, j0, ok);
+  };
+  if (landmark && RESIDENT) {
+    for (int hi = 0; hi < p.groups; ++hi)
+      stage_landmarks<T, D>(bp, (long long)b * p.hq + kvh * p.groups + hi, 0, p.m, per_head, hi * per_head, halves, lse,
+                            rd);
+  }
+  if (landmark && kStages == 2 && first < last) load_keys(first, 0);
+
+#pragma unroll 1
+  for (int j0 = first, it = 0; j0 < last; j0 += kK3Keys, ++it) {
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[dn][e] = dv[dn][e] = 0.f;
+    if (landmark) {
+      const int stage = kStages == 2 ? it & 1 : 0;
+      __syncthreads();  // the readers of the stage loaded next are done
+      const bool ahead = kStages == 2 && j0 + kK3Keys < last;
+      if (ahead) load_keys(j0 + kK3Keys, stage ^ 1);
+      if (kStages == 1) load_keys(j0, 0);
+      if (ahead) mma::cp_async_wait_prior<2>();  // this tile's k and v, not the next one's
+      else mma::cp_async_wait_all();
+      __syncthreads();
+      const uint16_t* kt = kv + 2 * stage * S::kKeyTile;
+      const uint16_t* vt = kt + S::kKeyTile;
+      float bias[2];  // 0 / -inf for this lane's key rows g, g + 8
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int j = j0 + 16 * warp + g + 8 * r;
+        bias[r] = j < n && (p.mask == nullptr || p.mask[b * p.mask_stride + j]) ? 0.f : -inf();
+      }
+      int dk_exps[2] = {kRowExpMax, kRowExpMax}, dv_exps[2] = {kRowExpMax, kRowExpMax};
+      for (int hi = 0; hi < p.groups; ++hi) {  // the group's q heads in a fixed order
+        const long long bh = (long long)b * p.hq + kvh * p.groups + hi;
+        for (int l0 = 0; l0 < p.m; l0 += kLand) {
+          const int count = min(p.m - l0, kLand);
+          if (!RESIDENT) {
+            __syncthreads();  // the previous tile's readers are done
+            stage_landmarks<T, D>(bp, bh, l0, count, kLand, 0, halves, lse, rd);
+            __syncthreads();
+          }
+          const int at = RESIDENT ? hi * per_head + l0 : 0;
+          const uint16_t* const tile[4] = {halves[0] + at * kRow, halves[1] + at * kRow, halves[2] + at * kRow,
+                                           halves[3] + at * kRow};
+          float s[kLand / 8][4], dp[kLand / 8][4];  // S3ᵀ = k Q̃ᵀ, dP3ᵀ = v dW0ᵀ (keys x landmarks)
+          scores_against_halves<T, D>(s, dp, kt, vt, tile, count, warp, lane);
+#pragma unroll
+          for (int c = 0; c < kLand / 8; ++c)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {  // key row g + 8 (e / 2), landmark column 8 c + 2 t + e % 2
+              const int col = 8 * c + 2 * t + (e & 1);
+              const float pr = col < count ? exp2f(fmaf(s[c][e], scale_log2, bias[e >> 1]) - lse[at + col]) : 0.f;
+              s[c][e] = pr;
+              dp[c][e] = pr * (dp[c][e] - rd[at + col]);
+            }
+          scale_rows<kLand / 8, D>(s, dv, dv_exps);
+          scale_rows<kLand / 8, D>(dp, dk, dk_exps);
+          halves_product<T, D, kLand / 8, true>(dv, s, tile[2], tile[3], count, lane);  // K3ᵀ dW0
+          halves_product<T, D, kLand / 8, true>(dk, dp, tile[0], tile[1], count, lane);  // dS3ᵀ Q̃
+        }
+      }
+      unscale_rows<D>(dv, dv_exps);
+      unscale_rows<D>(dk, dk_exps);
+    }
+    store_key_rows<T, D>(bp, b, kvh, j0 + 16 * warp + g, landmark, dk, dv, t);
   }
 }
 

@@ -160,6 +160,23 @@ def test_blocks_take_several_query_tiles():
     check(q, k, v, m=64, mask=mask, conv=make_conv(16, 3, q.dtype))
 
 
+@pytest.mark.parametrize("d, m, groups, dtype", [
+    (64, 32, 1, torch.float16),     # the group's landmarks staged once per block, two key-tile stages
+    (64, 20, 2, torch.bfloat16),    # the same for two q heads of 20 landmarks (rows padded to 32 each)
+    (128, 64, 1, torch.float16),    # staged once, one key-tile stage (D 128)
+    (64, 64, 2, torch.float16),     # 128 landmark rows: restaged per key tile
+    (128, 100, 1, torch.bfloat16),  # restaged, in passes of 32 landmarks, the last one partial
+])
+def test_dk_dv_blocks_take_several_key_tiles(d, m, groups, dtype):
+    """The dk/dv kernel splits each kv head's keys over at most about two waves of blocks: with more kv heads
+    (B Hkv = 288) than two blocks per SM on 132 SMs, every block takes several 64-key tiles in turn (N 1,000: 16
+    tiles, the last one partial), loading the next one while it computes this one, with padded keys."""
+    hkv = 96
+    q, k, v = make_inputs(3, hkv * groups, hkv, 1000, 1000, d, dtype=dtype, seed=d + m)
+    mask = make_padding(3, 1000, min_real=700, seed=m).to(DEV)
+    check(q, k, v, m=m, mask=mask)
+
+
 def kernel_path_cases():
     """Forward and backward of the Nyström ops over the buffer sizes and head dims the tensor-core kernels stage
     (slots up to 128, D 32 / 64 / 128), with padding, conv and GQA: per case its inputs, m, out and the gradients."""
@@ -441,6 +458,11 @@ mask = torch.arange(70, device="cuda")[None, :] < torch.tensor([[70], [9], [0]],
 for m in (8, 70):
     out, state = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, m, 4, 0.0, 0.2)
     grads = torch.ops.hfab.nystrom_bwd(torch.randn_like(out), q, k, v, conv, mask, m, 4, 0.0, 0.2, state)
+# 288 kv heads: each dk/dv block takes all 4 key tiles of its head, the next one loading during this one
+q, k, v = (torch.randn(1, 288, 200, 32, device="cuda", generator=g).half() for _ in range(3))
+for m in (8, 70):
+    out, state = torch.ops.hfab.nystrom_fwd(q, k, v, None, None, m, 4, 0.0, 0.2)
+    grads = torch.ops.hfab.nystrom_bwd(torch.randn_like(out), q, k, v, None, None, m, 4, 0.0, 0.2, state)
 torch.cuda.synchronize()
 """
 

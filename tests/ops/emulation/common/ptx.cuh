@@ -112,6 +112,7 @@ inline void cp_async16(void* dst, const void* src, bool valid) {
 }
 inline void cp_async_commit() {}
 inline void cp_async_wait_all() {}
+template <int N> inline void cp_async_wait_prior() {}
 
 }  // namespace mma
 }  // namespace hfab
