@@ -407,7 +407,8 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bw
 }
 
 // Dynamic shared memory of the dk/dv kernel: k, v [kStages][64][D + 8] T (the block's key tiles: two stages, the next
-// tile's copy in flight during this one, where two blocks still fit an SM, else one); landmarks hi, lo and dW0 hi, lo
+// tile's copy in flight during this one, where two blocks still fit an SM; else one, the next tile's copy in flight
+// during this one's stores); landmarks hi, lo and dW0 hi, lo
 // [kStage][D + 8] T; lse3, rowdot [kStage] fp32. RESIDENT: every landmark row of the group's q heads, staged once per
 // block (64 rows: groups · round16(m) <= 64); else one tile of kLand landmarks at a time, restaged per key tile. kLand
 // is what one pass computes: 32 at D 128, where the two D-wide fp32 accumulators take 128 registers, else 64.
@@ -507,10 +508,13 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
       for (int e = 0; e < 4; ++e) dk[dn][e] = dv[dn][e] = 0.f;
     if (landmark) {
       const int stage = kStages == 2 ? it & 1 : 0;
-      __syncthreads();  // the readers of the stage loaded next are done
       const bool ahead = kStages == 2 && j0 + kK3Keys < last;
-      if (ahead) load_keys(j0 + kK3Keys, stage ^ 1);
-      if (kStages == 1) load_keys(j0, 0);
+      if (kStages == 2) {
+        __syncthreads();  // the readers of the stage loaded next are done
+        if (ahead) load_keys(j0 + kK3Keys, stage ^ 1);
+      } else if (j0 == first) {
+        load_keys(j0, 0);
+      }
       if (ahead) mma::cp_async_wait_prior<2>();  // this tile's k and v, not the next one's
       else mma::cp_async_wait_all();
       __syncthreads();
@@ -542,9 +546,10 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
 #pragma unroll
             for (int e = 0; e < 4; ++e) {  // key row g + 8 (e / 2), landmark column 8 c + 2 t + e % 2
               const int col = 8 * c + 2 * t + (e & 1);
-              const float pr = col < count ? exp2f(fmaf(s[c][e], scale_log2, bias[e >> 1]) - lse[at + col]) : 0.f;
+              const bool in = col < count;  // past it the stage rows belong to the next head, or to nothing
+              const float pr = in ? exp2f(fmaf(s[c][e], scale_log2, bias[e >> 1]) - lse[at + col]) : 0.f;
               s[c][e] = pr;
-              dp[c][e] = pr * (dp[c][e] - rd[at + col]);
+              dp[c][e] = in ? pr * (dp[c][e] - rd[at + col]) : 0.f;
             }
           scale_rows<kLand / 8, D>(s, dv, dv_exps);
           scale_rows<kLand / 8, D>(dp, dk, dk_exps);
@@ -554,6 +559,10 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
       }
       unscale_rows<D>(dv, dv_exps);
       unscale_rows<D>(dk, dk_exps);
+      if (kStages == 1 && j0 + kK3Keys < last) {  // the next tile loads during this one's stores
+        __syncthreads();
+        load_keys(j0 + kK3Keys, 0);
+      }
     }
     store_key_rows<T, D>(bp, b, kvh, j0 + 16 * warp + g, landmark, dk, dv, t);
   }
