@@ -172,9 +172,8 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     using Resident = tc::KvSmem<D, true>;
     using Restaged = tc::KvSmem<D, false>;
     const auto launch = [&](auto kernel, int bytes) {
-      auto [splits, chunk] = split_plan(N, tc::kK3Keys, in.hkv * B,
+      const auto [splits, chunk] = split_plan(N, tc::kK3Keys, in.hkv * B,
                                               resident_blocks(reinterpret_cast<const void*>(kernel), tc::kK3Threads, bytes));
-      if (const char* e = std::getenv("XKV_TILES")) { chunk = std::atoi(e) * 64; splits = div_up(N, chunk); }
       bp.kv_chunk = static_cast<int>(chunk);
       launch_dynamic(kernel, grid_of(splits, in.hkv, B), tc::kK3Threads, bytes, bp, stream);
     };

@@ -492,12 +492,12 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
     mma::load_rows_async<kK3Keys, D, kK3Threads>(kt + S::kKeyTile,
                                                  static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h, p.sv.n, j0, ok);
   };
+  if (landmark && first < last) load_keys(first, 0);  // in flight while the landmarks are staged
   if (landmark && RESIDENT) {
     for (int hi = 0; hi < p.groups; ++hi)
       stage_landmarks<T, D>(bp, (long long)b * p.hq + kvh * p.groups + hi, 0, p.m, per_head, hi * per_head, halves, lse,
                             rd);
   }
-  if (landmark && kStages == 2 && first < last) load_keys(first, 0);
 
 #pragma unroll 1
   for (int j0 = first, it = 0; j0 < last; j0 += kK3Keys, ++it) {
@@ -512,12 +512,15 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
       if (kStages == 2) {
         __syncthreads();  // the readers of the stage loaded next are done
         if (ahead) load_keys(j0 + kK3Keys, stage ^ 1);
-      } else if (j0 == first) {
-        load_keys(j0, 0);
       }
-      if (ahead) mma::cp_async_wait_prior<2>();  // this tile's k and v, not the next one's
-      else mma::cp_async_wait_all();
-      __syncthreads();
+      const auto wait_for_tile = [ahead] {  // this tile's k and v, not the next one's
+        if (ahead) mma::cp_async_wait_prior<2>();
+        else mma::cp_async_wait_all();
+      };
+      if (RESIDENT) {
+        wait_for_tile();
+        __syncthreads();
+      }
       const uint16_t* kt = kv + 2 * stage * S::kKeyTile;
       const uint16_t* vt = kt + S::kKeyTile;
       float bias[2];  // 0 / -inf for this lane's key rows g, g + 8
@@ -534,6 +537,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bw
           if (!RESIDENT) {
             __syncthreads();  // the previous tile's readers are done
             stage_landmarks<T, D>(bp, bh, l0, count, kLand, 0, halves, lse, rd);
+            wait_for_tile();
             __syncthreads();
           }
           const int at = RESIDENT ? hi * per_head + l0 : 0;
