@@ -1,0 +1,138 @@
+"""The Nyström dk/dv kernel on the CPU: nystrom_kv_tc_bwd_kernel (csrc/nystrom/nystrom_tc_bwd_kernels.cuh) compiled by
+g++ with tests/ops/emulation and launched as csrc/nystrom/nystrom_bwd.cu launches it, on given landmark-stage inputs,
+against a float64 oracle of what it computes: for every real key j of kv head g and each q head h of g's group,
+
+    K3[l, j] = 2^(Q̃[h, l] · k[j] · √scale · log2(e) - lse3[h, l]),   dS3[l, j] = K3[l, j] (dW0[h, l] · v[j] - rowdot[h, l])
+    dv[j] = Σ_h Σ_l K3[l, j] dW0[h, l],   dk[j] = √scale (Σ_h Σ_l dS3[l, j] Q̃[h, l] + d K̃[g, l(j)] / |segment l(j)|)
+
+and, for a sequence on the exact path (n <= m real tokens), the gradient rows of its buffer slots; padding rows 0.
+The baseline of the tolerance rule is the same oracle in float32, rounded to the kernel's dtype. The whole backward
+runs on the GPU tests (tests/ops/test_nystrom_cuda.py); this checks the kernel's tiling (key-tile splits, resident
+and restaged landmarks, one and two k/v stages) in CI.
+"""
+import ctypes
+import math
+
+import pytest
+import torch
+
+from tests.inputs import make_padding
+from tests.ops.emulation import build, check_rc, cpu_inputs, nan_like, ptr
+from tests.tolerance import assert_close_to_oracle
+
+FACTOR, FLOOR = 3.0, 1e-6
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return build("nystrom", tmp_path_factory.mktemp("emulation"))
+
+
+def segment_counts(n_real, m):
+    """(B, m) rows per landmark segment of n real tokens (the last segment takes the remainder)."""
+    counts = torch.zeros(len(n_real), m)
+    for b, n in enumerate(n_real.tolist()):
+        seg = max(n // m, 1)
+        starts = [min(l * seg, n) for l in range(m)]
+        ends = [n if l == m - 1 else min(starts[l] + seg, n) for l in range(m)]
+        counts[b] = torch.tensor([e - s for s, e in zip(starts, ends)], dtype=torch.float32)
+    return counts
+
+
+def stage_inputs(b, hq, hkv, n, m, d, dtype, mask, seed):
+    """k, v and the landmark stage's arrays: Q̃, dW0 (B, Hq, m, D), lse3 and rowdot (B, Hq, m) consistent with k and v
+    (lse3 the base-2 log-sum-exp of each landmark's scores over the real keys), d K̃ (B, Hkv, m, D), the buffer's
+    gradient rows (B, Hkv, slots, D)."""
+    _, k, v = cpu_inputs(b, hkv, hkv, n, n, d, dtype=dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    root = d ** -0.25
+    q_land = torch.randn(b, hq, m, d, generator=g) * 0.5
+    dw0 = torch.randn(b, hq, m, d, generator=g)
+    real = mask if mask is not None else torch.ones(b, n, dtype=torch.bool)
+    kg = k.double().repeat_interleave(hq // hkv, 1)
+    vg = v.double().repeat_interleave(hq // hkv, 1)
+    logits = (q_land.double() @ kg.transpose(-1, -2)) * root * math.log2(math.e)
+    logits = logits.masked_fill(~real[:, None, None, :], -math.inf)
+    lse3 = torch.logsumexp(logits * math.log(2), -1) / math.log(2)
+    k3 = torch.exp2(logits - lse3[..., None]).nan_to_num(0.0)
+    rowdot = (dw0.double() * (k3 @ vg)).sum(-1)
+    slots = min(m, n)
+    tensors = dict(q_land=q_land, dw0=dw0, lse3=lse3.float(), rowdot=rowdot.float(),
+                   dkl=torch.randn(b, hkv, m, d, generator=g) * 0.1,
+                   dkeys=torch.randn(b, hkv, slots, d, generator=g), dvals=torch.randn(b, hkv, slots, d, generator=g))
+    return k, v, root, tensors
+
+
+def oracle(k, v, root, t, mask, m, precision):
+    """dk, dv in `precision` (float64: the oracle; float32: the baseline before rounding)."""
+    b, hkv, n, d = k.shape
+    hq = t["q_land"].shape[1]
+    groups = hq // hkv
+    f = lambda x: x.to(precision)
+    real = mask if mask is not None else torch.ones(b, n, dtype=torch.bool)
+    n_real = real.sum(1)
+    kg, vg = f(k).repeat_interleave(groups, 1), f(v).repeat_interleave(groups, 1)
+    logits = (f(t["q_land"]) @ kg.transpose(-1, -2)) * root * math.log2(math.e)
+    k3 = torch.exp2(logits - f(t["lse3"])[..., None]) * real[:, None, None, :]
+    ds3 = k3 * (f(t["dw0"]) @ vg.transpose(-1, -2) - f(t["rowdot"])[..., None])
+    group_sum = lambda x: x.unflatten(1, (hkv, groups)).sum(2)
+    dv = group_sum(k3.transpose(-1, -2) @ f(t["dw0"]))
+    dk = group_sum(ds3.transpose(-1, -2) @ f(t["q_land"]))
+    counts = f(segment_counts(n_real, m))
+    for bi in range(b):
+        ranks = torch.cumsum(real[bi].long(), 0) - 1
+        nr = int(n_real[bi])
+        for j in range(n):
+            if not real[bi, j]:
+                continue
+            r = int(ranks[j])
+            if nr > m:  # landmark path: d K̃ of the token's segment, shared over its rows
+                lt = min(r // max(nr // m, 1), m - 1)
+                dk[bi, :, j] += f(t["dkl"][bi, :, lt]) / counts[bi, lt].clamp_min(1)
+            else:  # exact path: no landmark term, the token's buffer slot
+                dk[bi, :, j] = f(t["dkeys"][bi, :, r])
+                dv[bi, :, j] = f(t["dvals"][bi, :, r])
+    keep = real[:, None, :, None]
+    return dk * root * keep, dv * keep
+
+
+def emulate(lib, k, v, root, t, mask, m, kv_chunk):
+    b, hkv, n, d = k.shape
+    hq = t["q_land"].shape[1]
+    real = mask if mask is not None else torch.ones(b, n, dtype=torch.bool)
+    n_real = real.sum(1).int()
+    exact = (n_real <= m).to(torch.uint8)
+    counts = segment_counts(n_real, m)
+    if mask is not None:
+        mask_u8, cumsum = mask.to(torch.uint8).contiguous(), torch.cumsum(mask.int(), 1).int().contiguous()
+        n_real_arg = n_real.contiguous()
+    else:
+        mask_u8 = cumsum = n_real_arg = None
+    dk, dv = nan_like(k), nan_like(v)
+    rc = lib.nystrom_kv_bwd(int(k.dtype == torch.bfloat16), d, b, hq, hkv, n, m, min(m, n), ctypes.c_float(root),
+                            kv_chunk, ptr(k), ptr(v), ptr(mask_u8), ptr(cumsum), ptr(n_real_arg), ptr(exact),
+                            *(ptr(t[name].contiguous()) for name in ("q_land", "dw0", "lse3", "rowdot", "dkl")),
+                            ptr(counts), ptr(t["dkeys"].contiguous()), ptr(t["dvals"].contiguous()), ptr(dk), ptr(dv))
+    check_rc(rc, "nystrom_kv_bwd")
+    return dk, dv
+
+
+@pytest.mark.parametrize("d, m, hq, hkv, dtype, kv_chunk, padded", [
+    (64, 16, 1, 1, torch.float16, 128, False),    # resident landmarks, two k/v stages, splits of two tiles
+    (128, 32, 2, 1, torch.bfloat16, 128, True),   # two q heads resident (64 rows), one stage (D 128), padding
+    (64, 80, 1, 1, torch.float16, 192, False),    # restaged: passes of 64 and 16 landmarks, a split of three tiles
+    (32, 20, 3, 1, torch.float16, 64, True),      # restaged (3 x 32 rows), one tile per block, an exact sequence
+    (128, 40, 2, 1, torch.float16, 256, False),   # restaged at D 128: passes of 32 and 8, one split
+])
+def test_dk_dv_kernel_against_the_oracle(emulator, d, m, hq, hkv, dtype, kv_chunk, padded):
+    b, n = 2, 200  # four key tiles, the last one of 8 keys
+    mask = None
+    if padded:
+        mask = make_padding(b, n, min_real=n // 2, seed=d)
+        mask[1] = torch.arange(n) < min(m, 20)  # few real tokens: the exact path where m allows it
+    k, v, root, t = stage_inputs(b, hq, hkv, n, m, d, dtype, mask, seed=d + m)
+    dk, dv = emulate(emulator, k, v, root, t, mask, m, kv_chunk)
+    want = oracle(k, v, root, t, mask, m, torch.float64)
+    base = [x.to(dtype) for x in oracle(k, v, root, t, mask, m, torch.float32)]
+    for name, got, w, bl in zip(("dk", "dv"), (dk, dv), want, base):
+        assert_close_to_oracle(got, w, baseline=bl, factor=FACTOR, floor=FLOOR, name=name)
