@@ -272,6 +272,7 @@ __global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bw
 #pragma unroll
     for (int e = 0; e < 4; ++e) dvals[dn][e] = dkeys[dn][e] = 0.f;
   const bool slot_ok[2] = {s0 + 16 * warp + g < nvalid, s0 + 16 * warp + g + 8 < nvalid};
+  int dkeys_exps[2] = {kRowExpMax, kRowExpMax};
   int buf = 0;
   for (int q0 = qbeg; q0 < qend; q0 += kQueries, buf ^= 1) {
     mma::cp_async_wait_all();
@@ -296,8 +297,10 @@ __global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bw
         dp[j][e] = pr * (dp[j][e] - delta[c]);
       }
     halves_product<T, D, kQueries / 8, false>(dvals, s, dt, nullptr, kQueries, lane);  // K1ᵀ dO
+    scale_rows<kQueries / 8, D>(dp, dkeys, dkeys_exps);  // dS1 scales with dO: fp16's subnormals for a tiny dO
     halves_product<T, D, kQueries / 8, false>(dkeys, dp, qt, nullptr, kQueries, lane);  // dS1ᵀ q
   }
+  unscale_rows<D>(dkeys, dkeys_exps);
 
   const long long slab = (long long)split * gridDim.z + bh;  // (split, b h) slab of slots rows
 #pragma unroll

@@ -1,14 +1,18 @@
-"""The Nyström dk/dv kernel on the CPU: nystrom_kv_tc_bwd_kernel (csrc/nystrom/nystrom_tc_bwd_kernels.cuh) compiled by
-g++ with tests/ops/emulation and launched as csrc/nystrom/nystrom_bwd.cu launches it, on given landmark-stage inputs,
-against a float64 oracle of what it computes: for every real key j of kv head g and each q head h of g's group,
+"""Three Nyström backward kernels on the CPU (csrc/nystrom/nystrom_tc_bwd_kernels.cuh compiled by g++ with
+tests/ops/emulation, each launched as csrc/nystrom/nystrom_bwd.cu launches it) on given inputs, against float64
+oracles of what they compute. With P[i, c] = 2^(q[i] · keys[c] · √scale · log2(e) - lse1[i]) over the valid buffer
+slots c and dS1[i, c] = P[i, c] (dO[i] · vals[c] - Δ1[i]), the buffer gradients of k1 (per query split) are
+d vals[c] = Σ_i P[i, c] dO[i] and d keys[c] = √scale Σ_i dS1[i, c] q[i], and dq[i] = √scale (Σ_c dS1[i, c] keys[c] +
+d Q̃[l(i)] / |segment l(i)|) (the landmark term for real tokens of landmark sequences). The dk/dv kernel: for every real
+key j of kv head g and each q head h of g's group,
 
     K3[l, j] = 2^(Q̃[h, l] · k[j] · √scale · log2(e) - lse3[h, l]),   dS3[l, j] = K3[l, j] (dW0[h, l] · v[j] - rowdot[h, l])
     dv[j] = Σ_h Σ_l K3[l, j] dW0[h, l],   dk[j] = √scale (Σ_h Σ_l dS3[l, j] Q̃[h, l] + d K̃[g, l(j)] / |segment l(j)|)
 
 and, for a sequence on the exact path (n <= m real tokens), the gradient rows of its buffer slots; padding rows 0.
-The baseline of the tolerance rule is the same oracle in float32, rounded to the kernel's dtype. The whole backward
-runs on the GPU tests (tests/ops/test_nystrom_cuda.py); this checks the kernel's tiling (key-tile splits, resident
-and restaged landmarks, one and two k/v stages) in CI.
+The baseline of the tolerance rule is the same oracle in float32, rounded to the kernel's dtype (k1's fp32 partial
+sums: a relative bound). The whole backward runs on the GPU tests (tests/ops/test_nystrom_cuda.py); this checks the
+kernels' tiling in CI, and the per-row scaling of dS1 before its fp16 halves when dO is tiny.
 """
 import ctypes
 import math
@@ -136,3 +140,130 @@ def test_dk_dv_kernel_against_the_oracle(emulator, d, m, hq, hkv, dtype, kv_chun
     base = [x.to(dtype) for x in oracle(k, v, root, t, mask, m, torch.float32)]
     for name, got, w, bl in zip(("dk", "dv"), (dk, dv), want, base):
         assert_close_to_oracle(got, w, baseline=bl, factor=FACTOR, floor=FLOOR, name=name)
+
+
+def buffer_inputs(b, hq, n, slots, nvalid, d, dtype, dout_scale, seed):
+    """q, dO (dO x dout_scale), the key/value buffers (B, Hq, slots, D) fp32 with nvalid (B,) valid rows, and K1's row
+    statistics lse1, Δ1 (B Hq, N) consistent with them."""
+    q, _, _ = cpu_inputs(b, hq, hq, n, n, d, dtype=dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    dout = (torch.randn(b, hq, n, d, generator=g) * dout_scale).to(dtype)
+    keys = torch.randn(b, hq, slots, d, generator=g) * d ** -0.25
+    vals = torch.randn(b, hq, slots, d, generator=g)
+    nvalid = torch.tensor(nvalid, dtype=torch.int32)
+    p = buffer_probabilities(q, keys, nvalid, d ** -0.25, torch.float64)
+    delta1 = (p * (dout.double() @ vals.double().transpose(-1, -2))).sum(-1)
+    lse1 = buffer_logits(q, keys, nvalid, d ** -0.25, torch.float64).logsumexp(-1) / math.log(2)
+    lse1 = lse1.masked_fill(lse1 == -math.inf, math.inf)  # no valid slot: +inf, as the row-statistics kernel writes
+    return q, dout, keys, vals, nvalid, lse1.flatten(0, 1).float(), delta1.flatten(0, 1).float()
+
+
+def buffer_logits(q, keys, nvalid, root, precision):
+    """Base-2 logits of q against the valid buffer rows (B, Hq, N, slots), -inf past nvalid."""
+    logits = (q.to(precision) @ keys.to(precision).transpose(-1, -2)) * root * math.log2(math.e)
+    valid = torch.arange(keys.shape[2])[None, :] < nvalid[:, None]
+    return logits.masked_fill(~valid[:, None, None, :], -math.inf) * math.log(2)
+
+
+def buffer_probabilities(q, keys, nvalid, root, precision):
+    return torch.softmax(buffer_logits(q, keys, nvalid, root, precision), -1).nan_to_num(0.0)
+
+
+def dS1(q, dout, keys, vals, nvalid, lse1, delta1, root, precision):
+    """P and dS1 (B, Hq, N, slots) from the given row statistics."""
+    logits = buffer_logits(q, keys, nvalid, root, precision) / math.log(2)
+    p = torch.exp2(logits - lse1.to(precision).view(logits.shape[:3])[..., None])
+    dp = dout.to(precision) @ vals.to(precision).transpose(-1, -2)
+    return p, p * (dp - delta1.to(precision).view(logits.shape[:3])[..., None])
+
+
+def k1_oracle(q, dout, keys, vals, nvalid, lse1, delta1, a_chunk, precision):
+    """(splits, B Hq, slots, D) partial d keys and d vals."""
+    b, hq, n, d = q.shape
+    root = d ** -0.25
+    p, ds = dS1(q, dout, keys, vals, nvalid, lse1, delta1, root, precision)
+    dkeys, dvals = [], []
+    for q0 in range(0, n, a_chunk):
+        rows = slice(q0, min(q0 + a_chunk, n))
+        dvals.append((p[:, :, rows].transpose(-1, -2) @ dout[:, :, rows].to(precision)).flatten(0, 1))
+        dkeys.append((ds[:, :, rows].transpose(-1, -2) @ q[:, :, rows].to(precision)).flatten(0, 1) * root)
+    return torch.stack(dkeys), torch.stack(dvals)
+
+
+@pytest.mark.parametrize("d, dtype, slots, nvalid, a_chunk, dout_scale", [
+    (64, torch.float16, 32, [32, 32], 128, 1.0),     # two query splits, the second partial
+    (128, torch.bfloat16, 70, [70, 41], 64, 1.0),    # two slot tiles (64 + 6), fewer valid rows in batch 1
+    (32, torch.float16, 16, [9, 0], 256, 1.0),       # one split; a batch without valid rows
+    (64, torch.float16, 32, [32, 20], 128, 1e-4),    # tiny dO: dS1 among fp16's subnormals unless rows are scaled
+])
+def test_buffer_gradient_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, a_chunk, dout_scale):
+    b, hq, n = 2, 2, 200
+    q, dout, keys, vals, nv, lse1, delta1 = buffer_inputs(b, hq, n, slots, nvalid, d, dtype, dout_scale, seed=d)
+    splits = -(-n // a_chunk)
+    part_dkeys = nan_like(keys, (splits, b * hq, slots, d), torch.float32)
+    part_dvals = nan_like(keys, (splits, b * hq, slots, d), torch.float32)
+    rc = emulator.nystrom_k1_bwd(int(dtype == torch.bfloat16), d, b, hq, n, slots, ctypes.c_float(d ** -0.25), a_chunk,
+                                 ptr(q), ptr(dout), ptr(keys), ptr(vals), ptr(nv), ptr(lse1), ptr(delta1),
+                                 ptr(part_dkeys), ptr(part_dvals))
+    check_rc(rc, "nystrom_k1_bwd")
+    want = k1_oracle(q, dout, keys, vals, nv, lse1, delta1, a_chunk, torch.float64)
+    for name, got, w in zip(("d keys", "d vals"), (part_dkeys, part_dvals), want):
+        assert_close_to_oracle(got, w, rtol=K1_RTOL[dtype], name=name)
+
+
+# of max|oracle|: fp32 partial sums of products whose fp32 factor is split into two 16-bit halves, which keep ~22
+# bits in fp16 and ~16 in bf16 (2^-16 = 1.5e-5 per product; measured 4e-6 of the maximum at D 128)
+K1_RTOL = {torch.float16: 2e-6, torch.bfloat16: 2e-5}
+
+
+def dq_oracle(q, dout, keys, vals, nvalid, lse1, delta1, mask, m, dql, precision):
+    b, hq, n, d = q.shape
+    root = d ** -0.25
+    _, ds = dS1(q, dout, keys, vals, nvalid, lse1, delta1, root, precision)
+    dq = ds @ keys.to(precision)
+    real = mask if mask is not None else torch.ones(b, n, dtype=torch.bool)
+    n_real = real.sum(1)
+    counts = segment_counts(n_real, m).to(precision)
+    for bi in range(b):
+        nr = int(n_real[bi])
+        if nr <= m:
+            continue
+        ranks = torch.cumsum(real[bi].long(), 0) - 1
+        for i in range(n):
+            if real[bi, i]:
+                lt = min(int(ranks[i]) // max(nr // m, 1), m - 1)
+                dq[bi, :, i] += dql[bi, :, lt].to(precision) / counts[bi, lt].clamp_min(1)
+    return dq * root
+
+
+@pytest.mark.parametrize("d, dtype, m, padded, blocks_per_head, dout_scale", [
+    (64, torch.float16, 32, False, 1, 1.0),     # one block walks both query tiles (128 + 72)
+    (128, torch.bfloat16, 40, True, 2, 1.0),    # slots in two chunks of 32 (+ 8); padding and an exact sequence
+    (64, torch.float16, 32, False, 2, 1e-4),    # tiny dO: dS1's fp16 halves lose less than dq's own rounding
+])
+def test_query_gradient_kernel_against_the_oracle(emulator, d, dtype, m, padded, blocks_per_head, dout_scale):
+    b, hq, n = 2, 2, 200
+    mask = None
+    if padded:
+        mask = make_padding(b, n, min_real=n // 2, seed=d)
+        mask[1] = torch.arange(n) < m - 5  # an exact sequence: its buffer holds its m - 5 real tokens
+    real = mask if mask is not None else torch.ones(b, n, dtype=torch.bool)
+    n_real = real.sum(1).int()
+    nvalid = torch.minimum(n_real, torch.tensor(m)).tolist()
+    q, dout, keys, vals, nv, lse1, delta1 = buffer_inputs(b, hq, n, m, nvalid, d, dtype, dout_scale, seed=d + 1)
+    dql = torch.randn(b, hq, m, d, generator=torch.Generator().manual_seed(d)) * dout_scale
+    exact = (n_real <= m).to(torch.uint8)
+    counts = segment_counts(n_real, m)
+    if mask is not None:
+        mask_u8, cumsum, n_real_arg = mask.to(torch.uint8), torch.cumsum(mask.int(), 1).int(), n_real
+    else:
+        mask_u8 = cumsum = n_real_arg = None
+    dq = nan_like(q)
+    rc = emulator.nystrom_dq_bwd(int(dtype == torch.bfloat16), d, b, hq, n, m, m, ctypes.c_float(d ** -0.25),
+                                 blocks_per_head, ptr(q), ptr(dout), ptr(keys), ptr(vals), ptr(nv), ptr(lse1),
+                                 ptr(delta1), ptr(mask_u8), ptr(cumsum), ptr(n_real_arg), ptr(exact), ptr(dql),
+                                 ptr(counts), ptr(dq))
+    check_rc(rc, "nystrom_dq_bwd")
+    args = (q, dout, keys, vals, nv, lse1, delta1, mask, m, dql)
+    assert_close_to_oracle(dq, dq_oracle(*args, torch.float64), baseline=dq_oracle(*args, torch.float32).to(dtype),
+                           factor=FACTOR, floor=FLOOR * dout_scale, name="dq")

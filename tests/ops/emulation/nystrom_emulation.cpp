@@ -1,10 +1,11 @@
-// The Nyström dk/dv kernel (nystrom_kv_tc_bwd_kernel, csrc/nystrom/nystrom_tc_bwd_kernels.cuh) on the CPU through
-// cuda_on_cpu.h and common/ptx.cuh of this folder, launched as csrc/nystrom/nystrom_bwd.cu launches it: grid (splits,
-// Hkv, B) of kv_chunk keys each, the resident instance where KvSmem::fits(groups, m). The rest of the Nyström backward
-// (its split plans from the GPU's resident blocks, the side stream) stays with the GPU tests; this harness takes the
-// kernel's inputs (landmarks, dW0, lse3, rowdot, d K̃ rows, segment counts) as arrays. A C interface for ctypes
-// (tests/ops/test_nystrom_emulation.py): k, v contiguous (B, Hkv, N, D) 16-bit; mask (B, N) bytes, cumsum (B, N) and
-// n_real (B,) int32, or all three null.
+// Three Nyström backward kernels of csrc/nystrom/nystrom_tc_bwd_kernels.cuh on the CPU through cuda_on_cpu.h and
+// common/ptx.cuh of this folder, each launched as csrc/nystrom/nystrom_bwd.cu launches it: the dk/dv kernel (grid
+// (splits, Hkv, B) of kv_chunk keys each, the resident instance where KvSmem::fits(groups, m)), the buffer gradients
+// of k1 (grid (splits, ceil(slots / 64), B Hq) of a_chunk queries each) and dq (grid (blocks per head, Hq, B)). The
+// rest of the Nyström backward (its split plans from the GPU's resident blocks, the side stream) stays with the GPU
+// tests; this harness takes each kernel's inputs (buffers, row statistics, landmark-stage arrays) as arrays. A C
+// interface for ctypes (tests/ops/test_nystrom_emulation.py): q, dO contiguous (B, Hq, N, D) and k, v (B, Hkv, N, D)
+// 16-bit; fp32 arrays contiguous; mask (B, N) bytes, cumsum (B, N) and n_real (B,) int32, or all three null.
 #include "harness.h"
 
 namespace hfab {
@@ -30,7 +31,72 @@ bool key_gradients(const BwdParams& bp, int b) {
   return emu::launch(grid, tc::kK3Threads, [&] { tc::nystrom_kv_tc_bwd_kernel<T, D, RESIDENT>(bp); });
 }
 
+template <typename T, int D>
+bool buffer_gradients(const BwdParams& bp, int b) {
+  static_assert(tc::K1Smem<D>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
+  const dim3 grid(emu::blocks(bp.p.n, bp.a_chunk), emu::blocks(bp.p.slots, tc::kK1Slots), b * bp.p.hq);
+  return emu::launch(grid, tc::kK1Threads, [&] { tc::nystrom_k1_tc_bwd_kernel<T, D>(bp); });
+}
+
+template <typename T, int D>
+bool query_gradients(const BwdParams& bp, int b, int blocks_per_head) {
+  if (tc::DqSmem<D>::bytes(bp.p.slots) > static_cast<int>(sizeof(tc::smem))) return false;
+  return emu::launch(dim3(blocks_per_head, bp.p.hq, b), tc::kThreads, [&] { tc::nystrom_dq_tc_bwd_kernel<T, D>(bp); });
+}
+
+// The fields the k1 and dq kernels read: q and dO, the key/value buffers, the row statistics of K1.
+BwdParams query_side(int d, int hq, int n, int slots, float root, const void* q, const void* dout, const float* keys,
+                     const float* vals, const int* nvalid, const float* lse1, const float* delta1) {
+  BwdParams bp{};
+  Params& p = bp.p;
+  p.q = q;
+  p.sq = emu::contiguous(hq, n, d);
+  p.hq = hq;
+  p.n = n;
+  p.root = root;
+  p.keys = keys;
+  p.vals = vals;
+  p.nvalid = nvalid;
+  p.slots = slots;
+  bp.dout = dout;
+  bp.lse1 = const_cast<float*>(lse1);
+  bp.delta1 = const_cast<float*>(delta1);
+  return bp;
+}
+
 }  // namespace
+
+// part_dkeys, part_dvals: (ceil(N / a_chunk), B Hq, slots, D) fp32.
+extern "C" int nystrom_k1_bwd(int bf16, int d, int b, int hq, int n, int slots, float root, int a_chunk, const void* q,
+                              const void* dout, const float* keys, const float* vals, const int* nvalid,
+                              const float* lse1, const float* delta1, float* part_dkeys, float* part_dvals) {
+  BwdParams bp = query_side(d, hq, n, slots, root, q, dout, keys, vals, nvalid, lse1, delta1);
+  bp.a_chunk = a_chunk;
+  bp.part_dkeys = part_dkeys;
+  bp.part_dvals = part_dvals;
+  return emu::dispatch(bf16, d, [&]<typename T, int D>() { return buffer_gradients<T, D>(bp, b); });
+}
+
+// dq (B, Hq, N, D); dql (B, Hq, m, D) and counts (B, m) for landmark sequences (n > m and not exact[b]).
+extern "C" int nystrom_dq_bwd(int bf16, int d, int b, int hq, int n, int m, int slots, float root, int blocks_per_head,
+                              const void* q, const void* dout, const float* keys, const float* vals,
+                              const int* nvalid, const float* lse1, const float* delta1, const unsigned char* mask,
+                              const int* cumsum, const int* n_real, const unsigned char* exact, const float* dql,
+                              const float* counts, void* dq) {
+  BwdParams bp = query_side(d, hq, n, slots, root, q, dout, keys, vals, nvalid, lse1, delta1);
+  Params& p = bp.p;
+  p.m = m;
+  p.mask = mask;
+  p.mask_stride = n;
+  p.n_real = n_real;
+  p.counts = const_cast<float*>(counts);
+  bp.cumsum = cumsum;
+  bp.exact = exact;
+  bp.landmarks = n > m;
+  bp.dql = dql;
+  bp.dq = dq;
+  return emu::dispatch(bf16, d, [&]<typename T, int D>() { return query_gradients<T, D>(bp, b, blocks_per_head); });
+}
 
 extern "C" int nystrom_kv_bwd(int bf16, int d, int b, int hq, int hkv, int n, int m, int slots, float root,
                               int kv_chunk, const void* k, const void* v, const unsigned char* mask, const int* cumsum,
