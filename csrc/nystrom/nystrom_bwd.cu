@@ -171,16 +171,19 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     // restaged per key tile (41 / 74 / 70 KB)
     using Resident = tc::KvSmem<D, true>;
     using Restaged = tc::KvSmem<D, false>;
-    const auto launch = [&](auto kernel, int bytes) {
+    const auto launch = [&]<bool RESIDENT, int LAND>() {
+      const auto kernel = tc::nystrom_kv_tc_bwd_kernel<T, D, RESIDENT, LAND>;
+      const int bytes = tc::KvSmem<D, RESIDENT, LAND>::bytes;
       const auto [splits, chunk] = split_plan(N, tc::kK3Keys, in.hkv * B,
                                               resident_blocks(reinterpret_cast<const void*>(kernel), tc::kK3Threads, bytes));
       bp.kv_chunk = static_cast<int>(chunk);
       launch_dynamic(kernel, grid_of(splits, in.hkv, B), tc::kK3Threads, bytes, bp, stream);
     };
     if (Resident::fits(static_cast<int>(in.groups), static_cast<int>(m)) && on_tensor_cores(Resident::bytes, device)) {
-      launch(tc::nystrom_kv_tc_bwd_kernel<T, D, true>, Resident::bytes);
+      if (tc::resident_kv_land<D>(static_cast<int>(m)) == 32) launch.template operator()<true, 32>();
+      else launch.template operator()<true, Resident::kLand>();
     } else if (on_tensor_cores(Restaged::bytes, device)) {
-      launch(tc::nystrom_kv_tc_bwd_kernel<T, D, false>, Restaged::bytes);
+      launch.template operator()<false, Restaged::kLand>();
     } else {
       BwdKernel::of<typename KvTiles<D>::Smem>(nystrom_kv_bwd_kernel<T, D>)
           .launch(grid_of(div_up(N, KvTiles<D>::BK), in.hkv, B), bp, stream);

@@ -414,15 +414,20 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bw
 // during this one's stores); landmarks hi, lo and dW0 hi, lo
 // [kStage][D + 8] T; lse3, rowdot [kStage] fp32. RESIDENT: every landmark row of the group's q heads, staged once per
 // block (64 rows: groups · round16(m) <= 64); else one tile of kLand landmarks at a time, restaged per key tile. kLand
-// is what one pass computes: 32 at D 128, where the two D-wide fp32 accumulators take 128 registers, else 64.
-template <int D, bool RESIDENT> struct KvSmem {
-  static constexpr int kLand = D == 128 ? 32 : 64;
+// is what one pass computes (LAND): 32 at D 128, where the two D-wide fp32 accumulators take 128 registers, else 64
+// (or 32: resident_kv_land).
+template <int D, bool RESIDENT, int LAND = (D == 128 ? 32 : 64)> struct KvSmem {
+  static constexpr int kLand = LAND;
   static constexpr int kStage = RESIDENT ? 64 : kLand;
   static constexpr int kStages = D == 128 ? 1 : 2;
   static constexpr int kRow = D + 8, kKeyTile = kK3Keys * kRow;
   static constexpr int bytes = 2 * kStages * kKeyTile * 2 + 4 * kStage * kRow * 2 + 2 * kStage * 4;
   static __host__ __device__ bool fits(int groups, int m) { return groups * ((m + 15) / 16 * 16) <= 64; }
 };
+
+// kLand of the resident dk/dv kernel for m landmarks: 32 where m <= 32 at D <= 64 (the scores of a pass take half
+// the registers: three blocks per SM instead of two), else KvSmem's.
+template <int D> constexpr int resident_kv_land(int m) { return D < 128 && m <= 32 ? 32 : KvSmem<D, true>::kLand; }
 
 // Landmark rows [l0, l0 + count) of head bh (Q̃ and dW0 split into 16-bit halves, lse3, rowdot) into stage rows
 // [at, at + rows), rows >= count zero.
@@ -470,9 +475,9 @@ __device__ __forceinline__ void store_key_rows(const BwdParams& bp, int b, int k
 
 // Grid (splits, Hkv, B), 128 threads: block x takes the keys [x · kv_chunk, (x + 1) · kv_chunk) in tiles of 64;
 // RESIDENT only where KvSmem::fits(groups, m).
-template <typename T, int D, bool RESIDENT>
-__global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_kv_tc_bwd_kernel(const BwdParams bp) {
-  using S = KvSmem<D, RESIDENT>;
+template <typename T, int D, bool RESIDENT, int LAND = KvSmem<D, RESIDENT>::kLand>
+__global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2) nystrom_kv_tc_bwd_kernel(const BwdParams bp) {
+  using S = KvSmem<D, RESIDENT, LAND>;
   constexpr int kLand = S::kLand, kStages = S::kStages, kRow = S::kRow, STAGE = S::kStage;
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* const kv = reinterpret_cast<uint16_t*>(smem);  // stage s: k at 2 s kKeyTile, v at (2 s + 1) kKeyTile

@@ -122,8 +122,11 @@ def emulate(lib, k, v, root, t, mask, m, kv_chunk):
 
 
 @pytest.mark.parametrize("d, m, hq, hkv, dtype, kv_chunk, padded", [
-    (64, 16, 1, 1, torch.float16, 128, False),    # resident landmarks, two k/v stages, splits of two tiles
+    (64, 16, 1, 1, torch.float16, 128, False),    # resident landmarks in 32-landmark passes, two k/v stages, splits
+    (64, 32, 2, 1, torch.bfloat16, 128, True),    # the same for two q heads (64 rows), padding
+    (64, 48, 1, 1, torch.float16, 128, False),    # resident, one pass of 64 landmarks (48 of them real)
     (128, 32, 2, 1, torch.bfloat16, 128, True),   # two q heads resident (64 rows), one stage (D 128), padding
+    (128, 64, 1, 1, torch.float16, 128, False),   # resident, two passes of 32 landmarks (D 128)
     (64, 80, 1, 1, torch.float16, 192, False),    # restaged: passes of 64 and 16 landmarks, a split of three tiles
     (32, 20, 3, 1, torch.float16, 64, True),      # restaged (3 x 32 rows), one tile per block, an exact sequence
     (128, 40, 2, 1, torch.float16, 256, False),   # restaged at D 128: passes of 32 and 8, one split

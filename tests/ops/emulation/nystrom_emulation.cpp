@@ -23,12 +23,12 @@ namespace {
 
 using namespace hfab::nystrom;
 
-template <typename T, int D, bool RESIDENT>
+template <typename T, int D, bool RESIDENT, int LAND = tc::KvSmem<D, RESIDENT>::kLand>
 bool key_gradients(const BwdParams& bp, int b) {
-  using S = tc::KvSmem<D, RESIDENT>;
+  using S = tc::KvSmem<D, RESIDENT, LAND>;
   static_assert(S::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
   const dim3 grid(emu::blocks(bp.p.n, bp.kv_chunk), bp.p.hkv, b);
-  return emu::launch(grid, tc::kK3Threads, [&] { tc::nystrom_kv_tc_bwd_kernel<T, D, RESIDENT>(bp); });
+  return emu::launch(grid, tc::kK3Threads, [&] { tc::nystrom_kv_tc_bwd_kernel<T, D, RESIDENT, LAND>(bp); });
 }
 
 template <typename T, int D>
@@ -134,6 +134,7 @@ extern "C" int nystrom_kv_bwd(int bf16, int d, int b, int hq, int hkv, int n, in
   bp.dv = dv;
   const bool resident = tc::KvSmem<64, true>::fits(p.groups, m);
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
-    return resident ? key_gradients<T, D, true>(bp, b) : key_gradients<T, D, false>(bp, b);
+    if (!resident) return key_gradients<T, D, false>(bp, b);
+    return tc::resident_kv_land<D>(m) == 32 ? key_gradients<T, D, true, 32>(bp, b) : key_gradients<T, D, true>(bp, b);
   });
 }
