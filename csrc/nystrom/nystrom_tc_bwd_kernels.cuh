@@ -273,11 +273,13 @@ __global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bw
     for (int e = 0; e < 4; ++e) dvals[dn][e] = dkeys[dn][e] = 0.f;
   const bool slot_ok[2] = {s0 + 16 * warp + g < nvalid, s0 + 16 * warp + g + 8 < nvalid};
   int dkeys_exps[2] = {kRowExpMax, kRowExpMax};
+  const bool active = 16 * warp < count;  // else every slot of this warp is past the valid ones: loads and barriers
   int buf = 0;
   for (int q0 = qbeg; q0 < qend; q0 += kQueries, buf ^= 1) {
     mma::cp_async_wait_all();
     __syncthreads();  // this tile (and, at the first, the slots) is in; every warp is done with the other buffer
     if (q0 + kQueries < qend) load(q0 + kQueries, buf ^ 1);
+    if (!active) continue;
     const uint16_t* qt = qdo + 2 * buf * kQTile;
     const uint16_t* dt = qt + kQTile;
     const float* lse = stats + 2 * buf * kQueries;
@@ -374,11 +376,13 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bw
 #pragma unroll
   for (int dn = 0; dn < D / 8; ++dn) acc[dn][0] = acc[dn][1] = acc[dn][2] = acc[dn][3] = 0.f;
   int exps[2] = {kRowExpMax, kRowExpMax};
+  const bool active = 16 * warp < count;  // else every row of this warp is past m: loads and barriers only
   int buf = 0;
   for (int k0 = kbeg; k0 < kend; k0 += kK3Keys, buf ^= 1) {
     mma::cp_async_wait_all();
     __syncthreads();  // this tile (and, at the first, the staged rows) is in; every warp is done with the other buffer
     if (k0 + kK3Keys < kend) load(k0 + kK3Keys, buf ^ 1);
+    if (!active) continue;
     const uint16_t* kt = tiles + 2 * buf * kTile;
     const uint16_t* vt = kt + kTile;
     const float* bt = bias + buf * kK3Keys;

@@ -331,11 +331,13 @@ __global__ void __launch_bounds__(kK3Threads, 2) nystrom_k3_tc_fwd_kernel(const 
   for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
   const int brow = (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;    // ldmatrix: k rows as n
   const int vrow = (lane & 7) + ((lane >> 3) & 1) * 8, vcol = (lane >> 4) * 8;    // ldmatrix.trans: v rows as k
+  const bool active = l0 + 16 * warp < p.m;  // else every row of this warp is past m: loads and barriers only
   int buf = 0;
   for (int k0 = kbeg; k0 < kend; k0 += kK3Keys, buf ^= 1) {
     mma::cp_async_wait_all();
     __syncthreads();  // this tile is in; every warp is done with the other buffer
     if (k0 + kK3Keys < kend) load(k0 + kK3Keys, buf ^ 1);
+    if (!active) continue;
     const uint16_t* kt = tiles + 2 * buf * S::kTile;
     const uint16_t* vt = kt + S::kTile;
     const float* bt = bias + buf * kK3Keys;

@@ -270,3 +270,90 @@ def test_query_gradient_kernel_against_the_oracle(emulator, d, dtype, m, padded,
     args = (q, dout, keys, vals, nv, lse1, delta1, mask, m, dql)
     assert_close_to_oracle(dq, dq_oracle(*args, torch.float64), baseline=dq_oracle(*args, torch.float32).to(dtype),
                            factor=FACTOR, floor=FLOOR * dout_scale, name="dq")
+
+
+def k3_logits(q_land, k, mask, root):
+    """Base-2 scores of the scaled landmarks against the keys (B, Hq, m, N), -inf at padded keys."""
+    groups = q_land.shape[1] // k.shape[1]
+    logits = (q_land.double() @ k.double().repeat_interleave(groups, 1).transpose(-1, -2)) * root * math.log2(math.e)
+    return logits if mask is None else logits.masked_fill(~mask[:, None, None, :], -math.inf)
+
+
+def splits_of(n, chunk):
+    return [slice(k0, min(k0 + chunk, n)) for k0 in range(0, n, chunk)]
+
+
+@pytest.mark.parametrize("d, dtype, m, hq, hkv, chunk, padded", [
+    (64, torch.float16, 32, 1, 1, 128, True),    # two of four warps hold landmarks; a split of padding only
+    (128, torch.bfloat16, 80, 2, 2, 64, False),  # two landmark tiles (64 + 16), four key splits
+    (32, torch.float16, 16, 2, 1, 256, False),   # GQA 2:1, one split
+])
+def test_k3_forward_kernel_against_the_oracle(emulator, d, dtype, m, hq, hkv, chunk, padded):
+    """Per key split and landmark row: the running maximum M, the sum Σ 2^(s - M) and Σ 2^(s - M) v, compared as
+    sum 2^(M - M_oracle) and acc 2^(M - M_oracle) (the kernel may settle on a maximum one rounding away)."""
+    b, n = 2, 200
+    mask = None
+    if padded:
+        mask = make_padding(b, n, min_real=n // 2, seed=d)
+        mask[1] = torch.arange(n) < 60  # the second split of batch 1 holds padding only
+    k, v, root, t = stage_inputs(b, hq, hkv, n, m, d, dtype, mask, seed=d + m)
+    splits = splits_of(n, chunk)
+    part_max = nan_like(k, (len(splits), b * hq, m), torch.float32)
+    part_sum = nan_like(k, (len(splits), b * hq, m), torch.float32)
+    part_acc = nan_like(k, (len(splits), b * hq, m, d), torch.float32)
+    mask_u8 = None if mask is None else mask.to(torch.uint8).contiguous()
+    rc = emulator.nystrom_k3_fwd(int(dtype == torch.bfloat16), d, b, hq, hkv, n, m, ctypes.c_float(root), chunk,
+                                 ptr(k), ptr(v), ptr(mask_u8), ptr(t["q_land"].contiguous()), ptr(part_max),
+                                 ptr(part_sum), ptr(part_acc))
+    check_rc(rc, "nystrom_k3_fwd")
+    logits = k3_logits(t["q_land"], k, mask, root)
+    vg = v.double().repeat_interleave(hq // hkv, 1)
+    for s, keys in enumerate(splits):
+        x = logits[..., keys]
+        top = x.amax(-1)  # (B, Hq, m)
+        empty = top == -math.inf
+        w = torch.exp2(x - top.masked_fill(empty, 0.0)[..., None])
+        want_sum, want_acc = w.sum(-1).flatten(0, 1), (w @ vg[:, :, keys]).flatten(0, 1)
+        got_max = part_max[s].double()
+        assert torch.equal(got_max == -math.inf, empty.flatten(0, 1)), "splits without a real key"
+        shift = torch.exp2(got_max - top.flatten(0, 1)).masked_fill(empty.flatten(0, 1), 0.0)
+        assert_close_to_oracle(part_sum[s].double() * shift, want_sum, rtol=K3_RTOL[dtype], name=f"sum, split {s}")
+        assert_close_to_oracle(part_acc[s].double() * shift[..., None], want_acc, rtol=K3_RTOL[dtype],
+                               name=f"acc, split {s}")
+
+
+# of max|oracle|: the landmarks and the probabilities split into two 16-bit halves (fp16 ~22 bits, bf16 ~16)
+K3_RTOL = {torch.float16: 1e-5, torch.bfloat16: 1e-4}
+
+
+@pytest.mark.parametrize("d, dtype, m, hq, hkv, chunk, padded", [
+    (64, torch.float16, 32, 1, 1, 128, True),    # two of four warps hold landmarks; an exact sequence writes zeros
+    (128, torch.bfloat16, 70, 2, 2, 64, False),  # two landmark tiles (64 + 6), four key splits
+    (32, torch.float16, 20, 2, 1, 256, True),    # GQA 2:1, one split, padding
+])
+def test_k3_backward_kernel_against_the_oracle(emulator, d, dtype, m, hq, hkv, chunk, padded):
+    """Per key split: dQ̃[l] = √scale Σ_j dS3[l, j] k[j] over its real keys, dS3 = K3 ∘ (dW0 vᵀ - rowdot)."""
+    b, n = 2, 200
+    mask = None
+    if padded:
+        mask = make_padding(b, n, min_real=n // 2, seed=d)
+        mask[1] = torch.arange(n) < m - 3  # n <= m real tokens: the exact path, no landmark gradient
+    k, v, root, t = stage_inputs(b, hq, hkv, n, m, d, dtype, mask, seed=d + m)
+    real = mask if mask is not None else torch.ones(b, n, dtype=torch.bool)
+    exact = (real.sum(1) <= m).to(torch.uint8)
+    splits = splits_of(n, chunk)
+    part_dql = nan_like(k, (len(splits), b * hq, m, d), torch.float32)
+    mask_u8 = None if mask is None else mask.to(torch.uint8).contiguous()
+    rc = emulator.nystrom_k3_bwd(int(dtype == torch.bfloat16), d, b, hq, hkv, n, m, ctypes.c_float(root), chunk,
+                                 ptr(k), ptr(v), ptr(mask_u8), ptr(t["q_land"].contiguous()), ptr(exact),
+                                 ptr(t["dw0"].contiguous()), ptr(t["lse3"].contiguous()),
+                                 ptr(t["rowdot"].contiguous()), ptr(part_dql))
+    check_rc(rc, "nystrom_k3_bwd")
+    groups = hq // hkv
+    kg, vg = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
+    k3 = torch.exp2(k3_logits(t["q_land"], k, mask, root) - t["lse3"].double()[..., None])
+    ds3 = k3 * (t["dw0"].double() @ vg.transpose(-1, -2) - t["rowdot"].double()[..., None])
+    ds3 = ds3 * (1 - exact.double())[:, None, None, None]
+    for s, keys in enumerate(splits):
+        want = (ds3[..., keys] @ kg[:, :, keys]).flatten(0, 1) * root
+        assert_close_to_oracle(part_dql[s], want, rtol=K1_RTOL[dtype], name=f"dQ̃, split {s}")

@@ -1,7 +1,8 @@
-// Three Nyström backward kernels of csrc/nystrom/nystrom_tc_bwd_kernels.cuh on the CPU through cuda_on_cpu.h and
-// common/ptx.cuh of this folder, each launched as csrc/nystrom/nystrom_bwd.cu launches it: the dk/dv kernel (grid
-// (splits, Hkv, B) of kv_chunk keys each, the resident instance where KvSmem::fits(groups, m)), the buffer gradients
-// of k1 (grid (splits, ceil(slots / 64), B Hq) of a_chunk queries each) and dq (grid (blocks per head, Hq, B)). The
+// Five Nyström kernels (csrc/nystrom/nystrom_tc_kernels.cuh, nystrom_tc_bwd_kernels.cuh) on the CPU through
+// cuda_on_cpu.h and common/ptx.cuh of this folder, each launched as nystrom_host.cuh / nystrom_bwd.cu launch it: K3's
+// forward and backward (grid (splits, ceil(m / 64), B Hq) of `chunk` keys each), the dk/dv kernel (grid (splits, Hkv,
+// B) of kv_chunk keys each, the resident instance where KvSmem::fits(groups, m)), the buffer gradients of k1 (grid
+// (splits, ceil(slots / 64), B Hq) of a_chunk queries each) and dq (grid (blocks per head, Hq, B)). The
 // rest of the Nyström backward (its split plans from the GPU's resident blocks, the side stream) stays with the GPU
 // tests; this harness takes each kernel's inputs (buffers, row statistics, landmark-stage arrays) as arrays. A C
 // interface for ctypes (tests/ops/test_nystrom_emulation.py): q, dO contiguous (B, Hq, N, D) and k, v (B, Hkv, N, D)
@@ -44,6 +45,31 @@ bool query_gradients(const BwdParams& bp, int b, int blocks_per_head) {
   return emu::launch(dim3(blocks_per_head, bp.p.hq, b), tc::kThreads, [&] { tc::nystrom_dq_tc_bwd_kernel<T, D>(bp); });
 }
 
+// The fields K3's kernels read beside their outputs: k, v, the padding mask, the scaled landmark queries.
+Params key_side(int d, int b, int hq, int hkv, int n, int m, float root, int chunk, const void* k, const void* v,
+                const unsigned char* mask, const float* q_land) {
+  Params p{};
+  p.k = k;
+  p.v = v;
+  p.sk = p.sv = emu::contiguous(hkv, n, d);
+  p.mask = mask;
+  p.mask_stride = n;
+  p.hq = hq;
+  p.hkv = hkv;
+  p.groups = hq / hkv;
+  p.n = n;
+  p.m = m;
+  p.root = root;
+  p.q_land = const_cast<float*>(q_land);
+  p.chunk = chunk;
+  p.splits = static_cast<int>(emu::blocks(n, chunk));
+  return p;
+}
+
+dim3 k3_grid(const Params& p, int b) {
+  return dim3(p.splits, emu::blocks(p.m, tc::kK3Rows), b * p.hq);
+}
+
 // The fields the k1 and dq kernels read: q and dO, the key/value buffers, the row statistics of K1.
 BwdParams query_side(int d, int hq, int n, int slots, float root, const void* q, const void* dout, const float* keys,
                      const float* vals, const int* nvalid, const float* lse1, const float* delta1) {
@@ -65,6 +91,40 @@ BwdParams query_side(int d, int hq, int n, int slots, float root, const void* q,
 }
 
 }  // namespace
+
+// K3's forward: per key split, the base-2 running max, sum and unnormalised Σ p v of each landmark row,
+// part_max, part_sum (splits, B Hq, m) and part_acc (splits, B Hq, m, D) fp32.
+extern "C" int nystrom_k3_fwd(int bf16, int d, int b, int hq, int hkv, int n, int m, float root, int chunk,
+                              const void* k, const void* v, const unsigned char* mask, const float* q_land,
+                              float* part_max, float* part_sum, float* part_acc) {
+  Params p = key_side(d, b, hq, hkv, n, m, root, chunk, k, v, mask, q_land);
+  p.part_max = part_max;
+  p.part_sum = part_sum;
+  p.part_acc = part_acc;
+  return emu::dispatch(bf16, d, [&]<typename T, int D>() {
+    static_assert(tc::K3Smem<D>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
+    return emu::launch(k3_grid(p, b), tc::kK3Threads, [&] { tc::nystrom_k3_tc_fwd_kernel<T, D>(p); });
+  });
+}
+
+// K3's backward: per key split, the partial dQ̃ (splits, B Hq, m, D) fp32; exact[b] sequences write zeros.
+extern "C" int nystrom_k3_bwd(int bf16, int d, int b, int hq, int hkv, int n, int m, float root, int chunk,
+                              const void* k, const void* v, const unsigned char* mask, const float* q_land,
+                              const unsigned char* exact, const float* dw0, const float* lse3, const float* rowdot,
+                              float* part_dql) {
+  BwdParams bp{};
+  bp.p = key_side(d, b, hq, hkv, n, m, root, chunk, k, v, mask, q_land);
+  bp.exact = exact;
+  bp.b_chunk = chunk;
+  bp.dw0 = dw0;
+  bp.lse3 = lse3;
+  bp.rowdot = rowdot;
+  bp.part_dql = part_dql;
+  return emu::dispatch(bf16, d, [&]<typename T, int D>() {
+    static_assert(tc::K3BwdSmem<D>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
+    return emu::launch(k3_grid(bp.p, b), tc::kK3Threads, [&] { tc::nystrom_k3_tc_bwd_kernel<T, D>(bp); });
+  });
+}
 
 // part_dkeys, part_dvals: (ceil(N / a_chunk), B Hq, slots, D) fp32.
 extern "C" int nystrom_k1_bwd(int bf16, int d, int b, int hq, int n, int slots, float root, int a_chunk, const void* q,
