@@ -45,8 +45,8 @@ bool query_gradients(const BwdParams& bp, int b, int blocks_per_head) {
   return emu::launch(dim3(blocks_per_head, bp.p.hq, b), tc::kThreads, [&] { tc::nystrom_dq_tc_bwd_kernel<T, D>(bp); });
 }
 
-// The fields K3's kernels read beside their outputs: k, v, the padding mask, the scaled landmark queries.
-Params key_side(int d, int b, int hq, int hkv, int n, int m, float root, int chunk, const void* k, const void* v,
+// The fields the key-side kernels (K3's, dk/dv) share: k, v, the padding mask, the scaled landmark queries.
+Params key_side(int d, int hq, int hkv, int n, int m, float root, const void* k, const void* v,
                 const unsigned char* mask, const float* q_land) {
   Params p{};
   p.k = k;
@@ -61,13 +61,12 @@ Params key_side(int d, int b, int hq, int hkv, int n, int m, float root, int chu
   p.m = m;
   p.root = root;
   p.q_land = const_cast<float*>(q_land);
-  p.chunk = chunk;
-  p.splits = static_cast<int>(emu::blocks(n, chunk));
   return p;
 }
 
-dim3 k3_grid(const Params& p, int b) {
-  return dim3(p.splits, emu::blocks(p.m, tc::kK3Rows), b * p.hq);
+// K3's grid: key splits of `chunk`, 64-landmark tiles, B Hq.
+dim3 k3_grid(const Params& p, int b, int chunk) {
+  return dim3(emu::blocks(p.n, chunk), emu::blocks(p.m, tc::kK3Rows), b * p.hq);
 }
 
 // The fields the k1 and dq kernels read: q and dO, the key/value buffers, the row statistics of K1.
@@ -97,13 +96,14 @@ BwdParams query_side(int d, int hq, int n, int slots, float root, const void* q,
 extern "C" int nystrom_k3_fwd(int bf16, int d, int b, int hq, int hkv, int n, int m, float root, int chunk,
                               const void* k, const void* v, const unsigned char* mask, const float* q_land,
                               float* part_max, float* part_sum, float* part_acc) {
-  Params p = key_side(d, b, hq, hkv, n, m, root, chunk, k, v, mask, q_land);
+  Params p = key_side(d, hq, hkv, n, m, root, k, v, mask, q_land);
+  p.chunk = chunk;
   p.part_max = part_max;
   p.part_sum = part_sum;
   p.part_acc = part_acc;
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
     static_assert(tc::K3Smem<D>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
-    return emu::launch(k3_grid(p, b), tc::kK3Threads, [&] { tc::nystrom_k3_tc_fwd_kernel<T, D>(p); });
+    return emu::launch(k3_grid(p, b, chunk), tc::kK3Threads, [&] { tc::nystrom_k3_tc_fwd_kernel<T, D>(p); });
   });
 }
 
@@ -113,7 +113,7 @@ extern "C" int nystrom_k3_bwd(int bf16, int d, int b, int hq, int hkv, int n, in
                               const unsigned char* exact, const float* dw0, const float* lse3, const float* rowdot,
                               float* part_dql) {
   BwdParams bp{};
-  bp.p = key_side(d, b, hq, hkv, n, m, root, chunk, k, v, mask, q_land);
+  bp.p = key_side(d, hq, hkv, n, m, root, k, v, mask, q_land);
   bp.exact = exact;
   bp.b_chunk = chunk;
   bp.dw0 = dw0;
@@ -122,7 +122,7 @@ extern "C" int nystrom_k3_bwd(int bf16, int d, int b, int hq, int hkv, int n, in
   bp.part_dql = part_dql;
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
     static_assert(tc::K3BwdSmem<D>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
-    return emu::launch(k3_grid(bp.p, b), tc::kK3Threads, [&] { tc::nystrom_k3_tc_bwd_kernel<T, D>(bp); });
+    return emu::launch(k3_grid(bp.p, b, chunk), tc::kK3Threads, [&] { tc::nystrom_k3_tc_bwd_kernel<T, D>(bp); });
   });
 }
 
@@ -164,20 +164,9 @@ extern "C" int nystrom_kv_bwd(int bf16, int d, int b, int hq, int hkv, int n, in
                               const float* lse3, const float* rowdot, const float* dkl, const float* counts,
                               const float* dkeys_kv, const float* dvals_kv, void* dk, void* dv) {
   BwdParams bp{};
+  bp.p = key_side(d, hq, hkv, n, m, root, k, v, mask, q_land);
   Params& p = bp.p;
-  p.k = k;
-  p.v = v;
-  p.sk = p.sv = emu::contiguous(hkv, n, d);
-  p.mask = mask;
-  p.mask_stride = n;
   p.n_real = n_real;
-  p.hq = hq;
-  p.hkv = hkv;
-  p.groups = hq / hkv;
-  p.n = n;
-  p.m = m;
-  p.root = root;
-  p.q_land = const_cast<float*>(q_land);
   p.counts = const_cast<float*>(counts);
   p.slots = slots;
   bp.cumsum = cumsum;
