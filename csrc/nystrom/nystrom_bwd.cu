@@ -46,23 +46,6 @@ dim3 grid_of(int64_t x, int64_t y, int64_t z) {
   return dim3(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(z));
 }
 
-// A backward kernel and its launch shape: a tensor-core kernel (its threads and dynamic shared memory) or a CUDA-core
-// one (of<Smem>: kThreads, a shared-memory struct as dynamic shared memory, opted in above 48 KB).
-struct BwdKernel {
-  void (*kernel)(BwdParams);
-  int threads;
-  int bytes;
-
-  template <typename Smem>
-  static BwdKernel of(void (*kernel)(BwdParams)) {
-    return {kernel, kThreads, static_cast<int>(sizeof(Smem))};
-  }
-  int64_t resident() const { return resident_blocks(reinterpret_cast<const void*>(kernel), threads, bytes); }
-  void launch(dim3 grid, const BwdParams& bp, cudaStream_t stream) const {
-    launch_dynamic(kernel, grid, threads, bytes, bp, stream);
-  }
-};
-
 // dA of NS(A) given dZ_iters, by nystrom_ns_bwd_kernel: back through every step, then the ‖A‖₁‖A‖∞ normalisation
 // of Z₀ = Aᵀ / s (amax ties shared evenly, as torch does).
 at::Tensor ns_backward(const NsSaved& saved, const at::Tensor& gz, cudaStream_t stream) {
@@ -148,12 +131,15 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   // the buffer gradients on tensor cores where the GPU has the shared memory they need (73 KB at D 64, 103 at 128)
-  const bool k1_tc = on_tensor_cores(tc::K1Smem<D>::bytes, device);
-  const BwdKernel k1 = k1_tc ? BwdKernel{tc::nystrom_k1_tc_bwd_kernel<T, D>, tc::kK1Threads, tc::K1Smem<D>::bytes}
-                             : BwdKernel::of<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>);
-  const int64_t stiles = div_up(S, k1_tc ? tc::kK1Slots : K1Tiles<D>::BL);
+  const bool k1_wide = tc::row_warps(S) == 4;
+  const bool k1_tc = on_tensor_cores(k1_wide ? tc::K1Smem<D, 4>::bytes : tc::K1Smem<D, 2>::bytes, device);
+  const TileKernel<BwdParams> k1 =
+      !k1_tc    ? cuda_core<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>, K1Tiles<D>::BL)
+      : k1_wide ? row_tiled<4>(tc::nystrom_k1_tc_bwd_kernel<T, D, 4>, tc::K1Smem<D, 4>::bytes)
+                : row_tiled<2>(tc::nystrom_k1_tc_bwd_kernel<T, D, 2>, tc::K1Smem<D, 2>::bytes);
+  const int64_t stiles = div_up(S, k1.rows);
   const auto [a_splits, a_chunk] =
-      split_plan(N, k1_tc ? tc::K1Smem<D>::kQueries : K1Tiles<D>::BQ, stiles * bh, k1.resident());
+      split_plan(N, k1_tc ? tc::K1Smem<D, 4>::kQueries : K1Tiles<D>::BQ, stiles * bh, k1.resident());
   const at::Tensor part_dkeys = at::empty({a_splits, B, Hq, S, in.d}, f32);
   const at::Tensor part_dvals = at::empty({a_splits, B, Hq, S, in.d}, f32);
   bp.a_chunk = static_cast<int>(a_chunk);
@@ -185,7 +171,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     } else if (on_tensor_cores(Restaged::bytes, device)) {
       launch.template operator()<false, Restaged::kLand>();
     } else {
-      BwdKernel::of<typename KvTiles<D>::Smem>(nystrom_kv_bwd_kernel<T, D>)
+      cuda_core<typename KvTiles<D>::Smem>(nystrom_kv_bwd_kernel<T, D>, KvTiles<D>::BK)
           .launch(grid_of(div_up(N, KvTiles<D>::BK), in.hkv, B), bp, stream);
     }
   };
@@ -207,11 +193,14 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     const at::Tensor ds2 = side.handed_over(side.run([&](cudaStream_t ns_stream) {
       return softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz, ns_stream));
     }));
-    constexpr int k3_tc_bytes = tc::K3BwdSmem<D>::bytes;  // 41 / 73 / 137 KB at D 32 / 64 / 128
-    const bool k3_tc = on_tensor_cores(k3_tc_bytes, device);
-    const BwdKernel k3 = k3_tc ? BwdKernel{tc::nystrom_k3_tc_bwd_kernel<T, D>, tc::kK3Threads, k3_tc_bytes}
-                               : BwdKernel::of<typename K3BwdTiles<D>::Smem>(nystrom_k3_bwd_kernel<T, D>);
-    const int64_t ltiles = div_up(m, k3_tc ? tc::kK3Rows : K3BwdTiles<D>::BL);
+    // 41 / 73 / 137 KB at D 32 / 64 / 128 with four warps, 31 / 56 / 105 KB with two
+    const bool k3_wide = tc::row_warps(m) == 4;
+    const bool k3_tc = on_tensor_cores(k3_wide ? tc::K3BwdSmem<D, 4>::bytes : tc::K3BwdSmem<D, 2>::bytes, device);
+    const TileKernel<BwdParams> k3 =
+        !k3_tc    ? cuda_core<typename K3BwdTiles<D>::Smem>(nystrom_k3_bwd_kernel<T, D>, K3BwdTiles<D>::BL)
+        : k3_wide ? row_tiled<4>(tc::nystrom_k3_tc_bwd_kernel<T, D, 4>, tc::K3BwdSmem<D, 4>::bytes)
+                  : row_tiled<2>(tc::nystrom_k3_tc_bwd_kernel<T, D, 2>, tc::K3BwdSmem<D, 2>::bytes);
+    const int64_t ltiles = div_up(m, k3.rows);
     const auto [b_splits, b_chunk] =
         split_plan(N, k3_tc ? tc::kK3Keys : K3BwdTiles<D>::BK, ltiles * bh, k3.resident());
     part_dql = at::empty({b_splits, B, Hq, m, in.d}, f32);
@@ -248,7 +237,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   if (on_tensor_cores(dq_tc_bytes, device)) {
     launch_query_tiles(tc::nystrom_dq_tc_bwd_kernel<T, D>, bp, dq_tc_bytes, in, device, stream);
   } else {
-    BwdKernel::of<typename DqTiles<D>::Smem>(nystrom_dq_bwd_kernel<T, D>)
+    cuda_core<typename DqTiles<D>::Smem>(nystrom_dq_bwd_kernel<T, D>, DqTiles<D>::BQ)
         .launch(grid_of(div_up(N, DqTiles<D>::BQ), Hq, B), bp, stream);
   }
   at::Tensor dconv = in.conv.defined() ? conv_weight_grad(in, dout) : at::empty({0}, in.q.options());

@@ -166,6 +166,27 @@ void launch_dynamic(void (*kernel)(Arg), dim3 grid, int threads, int bytes, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// A kernel over row tiles and its launch shape: threads and dynamic shared memory per block, rows per block. The
+// tensor-core kernels of W warps (row_tiled: 32 W threads, 16 W rows) or a CUDA-core one (cuda_core: kThreads, a
+// shared-memory struct as dynamic shared memory, opted in above 48 KB).
+template <typename Arg> struct TileKernel {
+  void (*kernel)(Arg);
+  int threads, bytes, rows;
+
+  int64_t resident() const { return resident_blocks(reinterpret_cast<const void*>(kernel), threads, bytes); }
+  void launch(dim3 grid, const Arg& arg, cudaStream_t stream) const {
+    launch_dynamic(kernel, grid, threads, bytes, arg, stream);
+  }
+};
+
+template <int W, typename Arg> TileKernel<Arg> row_tiled(void (*kernel)(Arg), int bytes) {
+  return {kernel, 32 * W, bytes, 16 * W};
+}
+
+template <typename Smem, typename Arg> TileKernel<Arg> cuda_core(void (*kernel)(Arg), int rows) {
+  return {kernel, kThreads, static_cast<int>(sizeof(Smem)), rows};
+}
+
 // launch(TM) with the m x m kernels' tile count for m landmarks: the least TM of 2, 4, 8 with m <= 16 TM.
 template <typename Launch>
 void by_landmarks(int64_t m, Launch launch) {
@@ -339,13 +360,13 @@ void launch_query_tiles(void (*kernel)(Arg), const Arg& arg, int bytes, const In
 template <typename T, int D>
 at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr) {
   Params& p = in.p;
-  const bool tensor_cores = tensor_cores_enabled();
-  const int BL = tensor_cores ? tc::kK3Rows : K3Tiles<D>::BL, BK = tensor_cores ? tc::kK3Keys : K3Tiles<D>::BK;
-  const int64_t bh = in.batch * in.hq, ltiles = div_up(in.m, BL);
-  const auto kernel = tensor_cores ? tc::nystrom_k3_tc_fwd_kernel<T, D> : nystrom_k3_fwd_kernel<T, D>;
-  const int threads = tensor_cores ? tc::kK3Threads : kThreads, bytes = tensor_cores ? tc::K3Smem<D>::bytes : 0;
-  const auto [splits, chunk] =
-      split_plan(in.n, BK, ltiles * bh, resident_blocks(reinterpret_cast<const void*>(kernel), threads, bytes));
+  const TileKernel<Params> k3 =
+      !tensor_cores_enabled()     ? TileKernel<Params>{nystrom_k3_fwd_kernel<T, D>, kThreads, 0, K3Tiles<D>::BL}
+      : tc::row_warps(in.m) == 2 ? row_tiled<2>(tc::nystrom_k3_tc_fwd_kernel<T, D, 2>, tc::K3Smem<D>::bytes)
+                                 : row_tiled<4>(tc::nystrom_k3_tc_fwd_kernel<T, D, 4>, tc::K3Smem<D>::bytes);
+  const int BK = tensor_cores_enabled() ? tc::kK3Keys : K3Tiles<D>::BK;
+  const int64_t bh = in.batch * in.hq, ltiles = div_up(in.m, k3.rows);
+  const auto [splits, chunk] = split_plan(in.n, BK, ltiles * bh, k3.resident());
   const auto f32 = in.q.options().dtype(at::kFloat);
   at::Tensor part_max = at::empty({splits, bh, in.m}, f32);
   at::Tensor part_sum = at::empty({splits, bh, in.m}, f32);
@@ -355,8 +376,7 @@ at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr)
   p.part_max = part_max.data_ptr<float>();
   p.part_sum = part_sum.data_ptr<float>();
   p.part_acc = part_acc.data_ptr<float>();
-  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(ltiles), static_cast<unsigned>(bh));
-  launch_dynamic(kernel, grid, threads, bytes, p, stream);
+  k3.launch(dim3(static_cast<unsigned>(splits), static_cast<unsigned>(ltiles), static_cast<unsigned>(bh)), p, stream);
   at::Tensor w0 = at::empty({in.batch, in.hq, in.m, in.d}, f32);
   if (lse != nullptr) *lse = at::empty({in.batch, in.hq, in.m}, f32);
   const int64_t rows = bh * in.m;

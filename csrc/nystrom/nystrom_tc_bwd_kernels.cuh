@@ -3,11 +3,12 @@
 //
 //   nystrom_stats_tc_bwd_kernel  the forward's output kernel (attend_tiles) with another epilogue: lse1 = m + log2 Σp
 //                                and Δ1 = dO · out_attn per query row
-//   nystrom_k1_tc_bwd_kernel     per (query split, 64 slots, b h): partial d vals = K1ᵀ dO and d keys = dS1ᵀ q_s with
-//                                dS1 = K1 ∘ (dO valsᵀ − Δ1); 4 warps x 16 slots, the slots' fp32 keys and values in
-//                                two 16-bit halves as A operands, 64-query (D 128: 32) q and dO tiles (with lse1, Δ1)
-//                                double-buffered by cp.async; Kᵀ and dS1ᵀ in two halves against exact q, dO
-//   nystrom_k3_tc_bwd_kernel     per (key split, 64 landmarks, b h): partial dQ̃ = dS3 k_s, dS3 = K3 ∘ (dW0 vᵀ − rowdot);
+//   nystrom_k1_tc_bwd_kernel     per (query split, 16 W slots, b h): partial d vals = K1ᵀ dO and d keys = dS1ᵀ q_s with
+//                                dS1 = K1 ∘ (dO valsᵀ − Δ1); W = row_warps(slots) warps x 16 slots, the slots' fp32
+//                                keys and values in two 16-bit halves as A operands, 64-query (D 128: 32) q and dO
+//                                tiles (with lse1, Δ1) double-buffered by cp.async; Kᵀ and dS1ᵀ in two halves against
+//                                exact q, dO
+//   nystrom_k3_tc_bwd_kernel     per (key split, 16 W landmarks, b h): partial dQ̃ = dS3 k_s, dS3 = K3 ∘ (dW0 vᵀ − rowdot);
 //                                the landmarks and dW0 (fp32) staged in 16-bit halves, 64-key k and v tiles with their
 //                                padding bias double-buffered by cp.async; dS3 in halves against exact k
 //   nystrom_kv_tc_bwd_kernel     per (64 keys, kv head, b): dk, dv (one writer per row) as nystrom_kv_bwd_kernel; for
@@ -215,21 +216,20 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_stats_tc_bwd_kernel(const
   });
 }
 
-constexpr int kK1Warps = 4, kK1Threads = 32 * kK1Warps, kK1Slots = 16 * kK1Warps;
-
-// Dynamic shared memory: keys hi, lo and vals hi, lo [64][D + 8] T (the block's slots); 2 buffers x (q, dO)
+// Dynamic shared memory: keys hi, lo and vals hi, lo [16 W][D + 8] T (the block's slots); 2 buffers x (q, dO)
 // [kQueries][D + 8] T; 2 buffers x (lse1, Δ1) [kQueries] fp32. 32 queries per tile at D 128 (registers: the two
 // D-wide accumulators take 128).
-template <int D> struct K1Smem {
+template <int D, int W> struct K1Smem {
   static constexpr int kQueries = D == 128 ? 32 : 64;
-  static constexpr int kRow = D + 8, kSlotTile = kK1Slots * kRow, kQueryTile = kQueries * kRow;
+  static constexpr int kRow = D + 8, kSlotTile = 16 * W * kRow, kQueryTile = kQueries * kRow;
   static constexpr int bytes = 4 * kSlotTile * 2 + 4 * kQueryTile * 2 + 4 * kQueries * 4;
 };
 
-// Grid (splits, ceil(slots / 64), B Hq). Queries [split * a_chunk, min(+a_chunk, N)).
-template <typename T, int D>
-__global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bwd_kernel(const BwdParams bp) {
-  using S = K1Smem<D>;
+// Grid (splits, ceil(slots / 16 W), B Hq), 32 W threads. Queries [split * a_chunk, min(+a_chunk, N)).
+template <typename T, int D, int W>
+__global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2)) nystrom_k1_tc_bwd_kernel(const BwdParams bp) {
+  using S = K1Smem<D, W>;
+  constexpr int kThreadsW = 32 * W, kSlotsW = 16 * W;
   constexpr int kTile = S::kSlotTile, kQTile = S::kQueryTile, kQueries = S::kQueries;
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* khi = reinterpret_cast<uint16_t*>(smem);
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bw
   float* stats = reinterpret_cast<float*>(qdo + 4 * kQTile);   // [buffer][lse1, Δ1][kQueries]
   const Params& p = bp.p;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int split = blockIdx.x, s0 = blockIdx.y * kK1Slots, bh = blockIdx.z;
+  const int split = blockIdx.x, s0 = blockIdx.y * kSlotsW, bh = blockIdx.z;
   const int b = bh / p.hq, h = bh % p.hq;
   const int nvalid = p.nvalid[b];
   const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
@@ -251,10 +251,10 @@ __global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bw
   auto load = [&](int q0, int buf) {
     uint16_t* qt = qdo + 2 * buf * kQTile;
     auto ok = [=](int r) { return q0 + r < qend; };
-    mma::load_rows_async<kQueries, D, kK1Threads>(qt, q, p.sq.n, q0, ok);
-    mma::load_rows_async<kQueries, D, kK1Threads>(qt + kQTile, dout, D, q0, ok);
+    mma::load_rows_async<kQueries, D, kThreadsW>(qt, q, p.sq.n, q0, ok);
+    mma::load_rows_async<kQueries, D, kThreadsW>(qt + kQTile, dout, D, q0, ok);
     float* st = stats + 2 * buf * kQueries;
-    for (int c = threadIdx.x; c < kQueries; c += kK1Threads) {
+    for (int c = threadIdx.x; c < kQueries; c += kThreadsW) {
       const bool in = q0 + c < qend;
       st[c] = in ? bp.lse1[(long long)bh * p.n + q0 + c] : 0.f;
       st[kQueries + c] = in ? bp.delta1[(long long)bh * p.n + q0 + c] : 0.f;
@@ -262,9 +262,9 @@ __global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bw
   };
   if (qbeg < qend) load(qbeg, 0);
   const long long slot0 = (long long)bh * p.slots + s0;
-  const int count = max(min(nvalid - s0, kK1Slots), 0);
-  split_rows<T, D, kK1Threads>(p.keys + slot0 * D, count, kK1Slots, khi, klo);
-  split_rows<T, D, kK1Threads>(p.vals + slot0 * D, count, kK1Slots, vhi, vlo);
+  const int count = max(min(nvalid - s0, kSlotsW), 0);
+  split_rows<T, D, kThreadsW>(p.keys + slot0 * D, count, kSlotsW, khi, klo);
+  split_rows<T, D, kThreadsW>(p.vals + slot0 * D, count, kSlotsW, vhi, vlo);
 
   float dvals[D / 8][4], dkeys[D / 8][4];
 #pragma unroll
@@ -319,30 +319,29 @@ __global__ void __launch_bounds__(kK1Threads, D == 128 ? 1 : 2) nystrom_k1_tc_bw
   }
 }
 
-// Dynamic shared memory of the k3 kernel: landmarks hi, lo and dW0 hi, lo [64][D + 8] T; 2 buffers x (k, v)
+// Dynamic shared memory of the k3 kernel: landmarks hi, lo and dW0 hi, lo [16 W][D + 8] T; 2 buffers x (k, v)
 // [64][D + 8] T; 2 buffers x the keys' padding bias [64] fp32.
-template <int D> struct K3BwdSmem {
-  static constexpr int kRow = D + 8, kTile = kK3Rows * kRow;
-  static_assert(kK3Rows == kK3Keys, "one tile shape");
-  static constexpr int bytes = 8 * kTile * 2 + 2 * kK3Keys * 4;
+template <int D, int W> struct K3BwdSmem {
+  static constexpr int kRow = D + 8, kLandTile = 16 * W * kRow, kTile = kK3Keys * kRow;
+  static constexpr int bytes = 4 * kLandTile * 2 + 4 * kTile * 2 + 2 * kK3Keys * 4;
 };
 
-// Grid (splits, ceil(m / 64), B Hq), 128 threads. Keys [split * b_chunk, min(+b_chunk, N)); exact sequences write
+// Grid (splits, ceil(m / 16 W), B Hq), 32 W threads. Keys [split * b_chunk, min(+b_chunk, N)); exact sequences write
 // zeros.
-template <typename T, int D>
-__global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bwd_kernel(const BwdParams bp) {
-  using S = K3BwdSmem<D>;
-  constexpr int kTile = S::kTile;
+template <typename T, int D, int W>
+__global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2)) nystrom_k3_tc_bwd_kernel(const BwdParams bp) {
+  using S = K3BwdSmem<D, W>;
+  constexpr int kTile = S::kTile, kLandTile = S::kLandTile, kThreadsW = 32 * W, kRowsW = 16 * W;
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* lhi = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* llo = lhi + kTile;
-  uint16_t* whi = llo + kTile;
-  uint16_t* wlo = whi + kTile;
-  uint16_t* tiles = wlo + kTile;                                // [buffer][k, v][64][D + 8]
+  uint16_t* llo = lhi + kLandTile;
+  uint16_t* whi = llo + kLandTile;
+  uint16_t* wlo = whi + kLandTile;
+  uint16_t* tiles = wlo + kLandTile;                            // [buffer][k, v][64][D + 8]
   float* bias = reinterpret_cast<float*>(tiles + 4 * kTile);    // [buffer][64]
   const Params& p = bp.p;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int split = blockIdx.x, l0 = blockIdx.y * kK3Rows, bh = blockIdx.z;
+  const int split = blockIdx.x, l0 = blockIdx.y * kRowsW, bh = blockIdx.z;
   const int b = bh / p.hq, h = bh % p.hq, kvh = h / p.groups;
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h;
@@ -352,9 +351,9 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bw
   auto load = [&](int k0, int buf) {
     uint16_t* kt = tiles + 2 * buf * kTile;
     auto ok = [=](int r) { return k0 + r < kend; };
-    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt, k, p.sk.n, k0, ok);
-    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt + kTile, v, p.sv.n, k0, ok);
-    for (int c = threadIdx.x; c < kK3Keys; c += kK3Threads) {
+    mma::load_rows_async<kK3Keys, D, kThreadsW>(kt, k, p.sk.n, k0, ok);
+    mma::load_rows_async<kK3Keys, D, kThreadsW>(kt + kTile, v, p.sv.n, k0, ok);
+    for (int c = threadIdx.x; c < kK3Keys; c += kThreadsW) {
       const int j = k0 + c;
       const bool real = j < kend && (p.mask == nullptr || p.mask[b * p.mask_stride + j]);
       bias[buf * kK3Keys + c] = real ? 0.f : -inf();
@@ -362,9 +361,9 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : 2) nystrom_k3_tc_bw
   };
   if (kbeg < kend) load(kbeg, 0);
   const long long land0 = (long long)bh * p.m + l0;
-  const int count = max(min(p.m - l0, kK3Rows), 0);
-  split_rows<T, D, kK3Threads>(p.q_land + land0 * D, count, kK3Rows, lhi, llo);
-  split_rows<T, D, kK3Threads>(bp.dw0 + land0 * D, count, kK3Rows, whi, wlo);
+  const int count = max(min(p.m - l0, kRowsW), 0);
+  split_rows<T, D, kThreadsW>(p.q_land + land0 * D, count, kRowsW, lhi, llo);
+  split_rows<T, D, kThreadsW>(bp.dw0 + land0 * D, count, kRowsW, whi, wlo);
   float lse[2], rd[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

@@ -267,12 +267,19 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_out_tc_fwd_kernel(const P
   });
 }
 
-// The K3 stage on tensor cores: for 64 landmarks (4 warps x 16 rows; fp32 Q̃ carrying √scale, as A fragments in a
+// The K3 stage on tensor cores: for 16 W landmarks (W warps x 16 rows; fp32 Q̃ carrying √scale, as A fragments in a
 // 16-bit high part and residual) against the real keys of one key split, the online softmax of the scores and the
 // unnormalised sum of p v, written as the split's partial (max, sum, acc) exactly as nystrom_k3_fwd_kernel does.
 // Key and value tiles of 64 rows double-buffered by cp.async (one barrier per tile). Precision: S = Q̃ kᵀ with k exact
 // and Q̃ in two halves (two m16n8k16); P v with v exact and P in two halves (two m16n8k16): ~2^-16 relative (bf16).
-constexpr int kK3Warps = 4, kK3Threads = 32 * kK3Warps, kK3Rows = 16 * kK3Warps, kK3Keys = 64;
+constexpr int kK3Threads = 128, kK3Keys = 64;  // the dk/dv kernel's block; K3's key tiles
+
+// Warps per block (16 landmark or buffer-slot rows each) of K3's kernels and k1: two where every row fits in 32, so
+// that at m <= 32 no warp of a block idles and twice the blocks share an SM; else four.
+inline constexpr int row_warps(long long rows) { return rows <= 32 ? 2 : 4; }
+
+// Blocks per SM that the row-tiled kernels of W warps ask registers for: twice as many two-warp blocks.
+template <int W> constexpr int row_blocks(int four_warp_blocks) { return four_warp_blocks * 4 / W; }
 
 template <int D> struct K3Smem {
   static constexpr int kRow = D + 8;
@@ -295,15 +302,16 @@ __device__ __forceinline__ void landmark_frags(uint32_t (&hi)[D / 16][4], uint32
     }
 }
 
-// Grid (splits, ceil(m / 64), B Hq); keys [split * chunk, min(+chunk, N)), padded keys masked.
-template <typename T, int D>
-__global__ void __launch_bounds__(kK3Threads, 2) nystrom_k3_tc_fwd_kernel(const Params p) {
+// Grid (splits, ceil(m / 16 W), B Hq), 32 W threads; keys [split * chunk, min(+chunk, N)), padded keys masked.
+template <typename T, int D, int W>
+__global__ void __launch_bounds__(32 * W, row_blocks<W>(2)) nystrom_k3_tc_fwd_kernel(const Params p) {
   using S = K3Smem<D>;
+  constexpr int kThreadsW = 32 * W;
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* tiles = reinterpret_cast<uint16_t*>(smem);  // [buffer][k, v][kK3Keys][D + 8]
   float* bias = reinterpret_cast<float*>(tiles + 4 * S::kTile);  // [buffer][kK3Keys]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
-  const int split = blockIdx.x, l0 = blockIdx.y * kK3Rows, bh = blockIdx.z;
+  const int split = blockIdx.x, l0 = blockIdx.y * 16 * W, bh = blockIdx.z;
   const int b = bh / p.hq, h = bh % p.hq, g = h / p.groups;
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + g * p.sk.h;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + g * p.sv.h;
@@ -313,9 +321,9 @@ __global__ void __launch_bounds__(kK3Threads, 2) nystrom_k3_tc_fwd_kernel(const 
   auto load = [&](int k0, int buf) {
     uint16_t* kt = tiles + 2 * buf * S::kTile;
     auto ok = [=](int r) { return k0 + r < kend; };
-    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt, k, p.sk.n, k0, ok);
-    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt + S::kTile, v, p.sv.n, k0, ok);
-    for (int c = threadIdx.x; c < kK3Keys; c += kK3Threads) {
+    mma::load_rows_async<kK3Keys, D, kThreadsW>(kt, k, p.sk.n, k0, ok);
+    mma::load_rows_async<kK3Keys, D, kThreadsW>(kt + S::kTile, v, p.sv.n, k0, ok);
+    for (int c = threadIdx.x; c < kK3Keys; c += kThreadsW) {
       const int j = k0 + c;
       const bool real = j < kend && (p.mask == nullptr || p.mask[b * p.mask_stride + j]);
       bias[buf * kK3Keys + c] = real ? 0.f : -inf();

@@ -194,9 +194,9 @@ def k1_oracle(q, dout, keys, vals, nvalid, lse1, delta1, a_chunk, precision):
 
 
 @pytest.mark.parametrize("d, dtype, slots, nvalid, a_chunk, dout_scale", [
-    (64, torch.float16, 32, [32, 32], 128, 1.0),     # two query splits, the second partial
-    (128, torch.bfloat16, 70, [70, 41], 64, 1.0),    # two slot tiles (64 + 6), fewer valid rows in batch 1
-    (32, torch.float16, 16, [9, 0], 256, 1.0),       # one split; a batch without valid rows
+    (64, torch.float16, 32, [32, 32], 128, 1.0),     # two-warp blocks; two query splits, the second partial
+    (128, torch.bfloat16, 70, [70, 41], 64, 1.0),    # four warps: two slot tiles (64 + 6), fewer valid rows in batch 1
+    (32, torch.float16, 16, [9, 0], 256, 1.0),       # one split; a batch without valid rows; an idle warp
     (64, torch.float16, 32, [32, 20], 128, 1e-4),    # tiny dO: dS1 among fp16's subnormals unless rows are scaled
 ])
 def test_buffer_gradient_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, a_chunk, dout_scale):
@@ -284,9 +284,9 @@ def splits_of(n, chunk):
 
 
 @pytest.mark.parametrize("d, dtype, m, hq, hkv, chunk, padded", [
-    (64, torch.float16, 32, 1, 1, 128, True),    # two of four warps hold landmarks; a split of padding only
-    (128, torch.bfloat16, 80, 2, 2, 64, False),  # two landmark tiles (64 + 16), four key splits
-    (32, torch.float16, 16, 2, 1, 256, False),   # GQA 2:1, one split
+    (64, torch.float16, 32, 1, 1, 128, True),    # two-warp blocks; a split of padding only
+    (128, torch.bfloat16, 80, 2, 2, 64, False),  # four warps: two landmark tiles (64 + 16), four key splits
+    (32, torch.float16, 16, 2, 1, 256, False),   # GQA 2:1, one split; the second warp holds no landmark
 ])
 def test_k3_forward_kernel_against_the_oracle(emulator, d, dtype, m, hq, hkv, chunk, padded):
     """Per key split and landmark row: the running maximum M, the sum Σ 2^(s - M) and Σ 2^(s - M) v, compared as
@@ -327,9 +327,9 @@ K3_RTOL = {torch.float16: 1e-5, torch.bfloat16: 1e-4}
 
 
 @pytest.mark.parametrize("d, dtype, m, hq, hkv, chunk, padded", [
-    (64, torch.float16, 32, 1, 1, 128, True),    # two of four warps hold landmarks; an exact sequence writes zeros
-    (128, torch.bfloat16, 70, 2, 2, 64, False),  # two landmark tiles (64 + 6), four key splits
-    (32, torch.float16, 20, 2, 1, 256, True),    # GQA 2:1, one split, padding
+    (64, torch.float16, 32, 1, 1, 128, True),    # two-warp blocks; an exact sequence writes zeros
+    (128, torch.bfloat16, 70, 2, 2, 64, False),  # four warps: two landmark tiles (64 + 6), four key splits
+    (32, torch.float16, 20, 2, 1, 256, True),    # GQA 2:1, one split, padding; the second warp holds 4 landmarks
 ])
 def test_k3_backward_kernel_against_the_oracle(emulator, d, dtype, m, hq, hkv, chunk, padded):
     """Per key split: dQ̃[l] = √scale Σ_j dS3[l, j] k[j] over its real keys, dS3 = K3 ∘ (dW0 vᵀ - rowdot)."""

@@ -1,8 +1,9 @@
 // Five Nyström kernels (csrc/nystrom/nystrom_tc_kernels.cuh, nystrom_tc_bwd_kernels.cuh) on the CPU through
 // cuda_on_cpu.h and common/ptx.cuh of this folder, each launched as nystrom_host.cuh / nystrom_bwd.cu launch it: K3's
-// forward and backward (grid (splits, ceil(m / 64), B Hq) of `chunk` keys each), the dk/dv kernel (grid (splits, Hkv,
-// B) of kv_chunk keys each, the resident instance where KvSmem::fits(groups, m)), the buffer gradients of k1 (grid
-// (splits, ceil(slots / 64), B Hq) of a_chunk queries each) and dq (grid (blocks per head, Hq, B)). The
+// forward and backward (grid (splits, ceil(m / 16 W), B Hq) of `chunk` keys each, W = row_warps(m) warps per block),
+// the dk/dv kernel (grid (splits, Hkv, B) of kv_chunk keys each, the resident instance where KvSmem::fits(groups, m)),
+// the buffer gradients of k1 (grid (splits, ceil(slots / 16 W), B Hq) of a_chunk queries each, W = row_warps(slots))
+// and dq (grid (blocks per head, Hq, B)). The
 // rest of the Nyström backward (its split plans from the GPU's resident blocks, the side stream) stays with the GPU
 // tests; this harness takes each kernel's inputs (buffers, row statistics, landmark-stage arrays) as arrays. A C
 // interface for ctypes (tests/ops/test_nystrom_emulation.py): q, dO contiguous (B, Hq, N, D) and k, v (B, Hkv, N, D)
@@ -32,11 +33,19 @@ bool key_gradients(const BwdParams& bp, int b) {
   return emu::launch(grid, tc::kK3Threads, [&] { tc::nystrom_kv_tc_bwd_kernel<T, D, RESIDENT, LAND>(bp); });
 }
 
+// f.template operator()<W>() with the warps per block that the host picks for `rows` landmark or slot rows.
+template <typename F>
+bool with_row_warps(long long rows, F f) {
+  return tc::row_warps(rows) == 2 ? f.template operator()<2>() : f.template operator()<4>();
+}
+
 template <typename T, int D>
 bool buffer_gradients(const BwdParams& bp, int b) {
-  static_assert(tc::K1Smem<D>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
-  const dim3 grid(emu::blocks(bp.p.n, bp.a_chunk), emu::blocks(bp.p.slots, tc::kK1Slots), b * bp.p.hq);
-  return emu::launch(grid, tc::kK1Threads, [&] { tc::nystrom_k1_tc_bwd_kernel<T, D>(bp); });
+  return with_row_warps(bp.p.slots, [&]<int W>() {
+    static_assert(tc::K1Smem<D, W>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
+    const dim3 grid(emu::blocks(bp.p.n, bp.a_chunk), emu::blocks(bp.p.slots, 16 * W), b * bp.p.hq);
+    return emu::launch(grid, 32 * W, [&] { tc::nystrom_k1_tc_bwd_kernel<T, D, W>(bp); });
+  });
 }
 
 template <typename T, int D>
@@ -64,9 +73,9 @@ Params key_side(int d, int hq, int hkv, int n, int m, float root, const void* k,
   return p;
 }
 
-// K3's grid: key splits of `chunk`, 64-landmark tiles, B Hq.
-dim3 k3_grid(const Params& p, int b, int chunk) {
-  return dim3(emu::blocks(p.n, chunk), emu::blocks(p.m, tc::kK3Rows), b * p.hq);
+// K3's grid: key splits of `chunk`, tiles of `rows` landmarks, B Hq.
+dim3 k3_grid(const Params& p, int b, int chunk, int rows) {
+  return dim3(emu::blocks(p.n, chunk), emu::blocks(p.m, rows), b * p.hq);
 }
 
 // The fields the k1 and dq kernels read: q and dO, the key/value buffers, the row statistics of K1.
@@ -103,7 +112,9 @@ extern "C" int nystrom_k3_fwd(int bf16, int d, int b, int hq, int hkv, int n, in
   p.part_acc = part_acc;
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
     static_assert(tc::K3Smem<D>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
-    return emu::launch(k3_grid(p, b, chunk), tc::kK3Threads, [&] { tc::nystrom_k3_tc_fwd_kernel<T, D>(p); });
+    return with_row_warps(m, [&]<int W>() {
+      return emu::launch(k3_grid(p, b, chunk, 16 * W), 32 * W, [&] { tc::nystrom_k3_tc_fwd_kernel<T, D, W>(p); });
+    });
   });
 }
 
@@ -121,8 +132,10 @@ extern "C" int nystrom_k3_bwd(int bf16, int d, int b, int hq, int hkv, int n, in
   bp.rowdot = rowdot;
   bp.part_dql = part_dql;
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
-    static_assert(tc::K3BwdSmem<D>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
-    return emu::launch(k3_grid(bp.p, b, chunk), tc::kK3Threads, [&] { tc::nystrom_k3_tc_bwd_kernel<T, D>(bp); });
+    return with_row_warps(m, [&]<int W>() {
+      static_assert(tc::K3BwdSmem<D, W>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
+      return emu::launch(k3_grid(bp.p, b, chunk, 16 * W), 32 * W, [&] { tc::nystrom_k3_tc_bwd_kernel<T, D, W>(bp); });
+    });
   });
 }
 
