@@ -124,7 +124,8 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   // row statistics of K1, then the buffer gradients d keys = dS1ᵀ q_s, d vals = K1ᵀ dO (B, Hq, S, D)
   const c10::Device device = in.q.device();
   if (buffer_attention_on_tensor_cores<D>(in, device)) {
-    launch_query_tiles(tc::nystrom_stats_tc_bwd_kernel<T, D>, bp, tc::OutSmem<D>::bytes(in.p.slots), in, device,
+    launch_query_tiles(tc::nystrom_stats_tc_bwd_kernel<T, D, 1>, tc::OutSmem<D>::bytes(in.p.slots),
+                       tc::nystrom_stats_tc_bwd_kernel<T, D, 2>, tc::OutSmem<D>::bytes(in.p.slots, 2), bp, in, device,
                        stream);
   } else {
     nystrom_stats_bwd_kernel<T, D><<<grid_of(div_up(N, OutTiles<D>::BQ), Hq, B), kThreads, 0, stream>>>(bp);
@@ -235,7 +236,8 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     launch_key_gradients();
   }
   if (on_tensor_cores(dq_tc_bytes, device)) {
-    launch_query_tiles(tc::nystrom_dq_tc_bwd_kernel<T, D>, bp, dq_tc_bytes, in, device, stream);
+    launch_query_tiles(tc::nystrom_dq_tc_bwd_kernel<T, D, 1>, dq_tc_bytes, tc::nystrom_dq_tc_bwd_kernel<T, D, 2>,
+                       tc::DqSmem<D>::bytes(in.p.slots, 2), bp, in, device, stream);
   } else {
     cuda_core<typename DqTiles<D>::Smem>(nystrom_dq_bwd_kernel<T, D>, DqTiles<D>::BQ)
         .launch(grid_of(div_up(N, DqTiles<D>::BQ), Hq, B), bp, stream);

@@ -28,8 +28,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> nystrom_fwd_cuda(
     finish_state<D>(in, st, [&] { return k3_values<T, D>(in, stream, &lse3); }, true, stream);
     in.p.out = out.data_ptr();
     if (buffer_attention_on_tensor_cores<D>(in, q.device())) {
-      launch_query_tiles(tc::nystrom_out_tc_fwd_kernel<T, D>, in.p, tc::OutSmem<D>::bytes(in.p.slots), in, q.device(),
-                         stream);
+      launch_query_tiles(tc::nystrom_out_tc_fwd_kernel<T, D, 1>, tc::OutSmem<D>::bytes(in.p.slots),
+                         tc::nystrom_out_tc_fwd_kernel<T, D, 2>, tc::OutSmem<D>::bytes(in.p.slots, 2), in.p, in,
+                         q.device(), stream);
     } else {
       const dim3 grid(static_cast<unsigned>(div_up(in.n, OutTiles<D>::BQ)), static_cast<unsigned>(in.hq),
                       static_cast<unsigned>(in.batch));

@@ -340,18 +340,24 @@ bool buffer_attention_on_tensor_cores(const Inputs& in, const c10::Device& devic
   return on_tensor_cores(tc::OutSmem<D>::bytes(in.p.slots), device);
 }
 
-// Launch a tensor-core kernel over query tiles (tc::attend_tiles, the dq kernel) with `bytes` of dynamic shared
-// memory: blocks stage their head's buffer once and take every gridDim.x-th query tile, about 4 blocks per SM in all,
-// as few blocks per head as keep each block's tile count (32 tiles: 8 blocks of 4, not 9 blocks of 3 or 4).
+// Launch a tensor-core kernel over query tiles (tc::attend_tiles, the dq kernel): blocks stage their head's buffer
+// once and take every gridDim.x-th query tile, about 4 blocks per SM in all, as few blocks per head as keep each
+// block's tile count (32 tiles: 8 blocks of 4, not 9 blocks of 3 or 4). `two` (`two_bytes` of dynamic shared memory)
+// copies a block's next tile during this one; it runs where it fits and the GPU holds as many of its blocks as of
+// `one`'s (`one_bytes`), which loads each tile after the last.
 template <typename Arg>
-void launch_query_tiles(void (*kernel)(Arg), const Arg& arg, int bytes, const Inputs& in, const c10::Device& device,
-                        cudaStream_t stream) {
+void launch_query_tiles(void (*one)(Arg), int one_bytes, void (*two)(Arg), int two_bytes, const Arg& arg,
+                        const Inputs& in, const c10::Device& device, cudaStream_t stream) {
   const int64_t tiles = div_up(in.n, tc::kBQ);
   const int64_t wanted = std::min(tiles, std::max<int64_t>(1, div_up(4 * multiprocessor_count(device),
                                                                      in.batch * in.hq)));
   const int64_t per_head = div_up(tiles, div_up(tiles, wanted));
   const dim3 grid(static_cast<unsigned>(per_head), static_cast<unsigned>(in.hq), static_cast<unsigned>(in.batch));
-  launch_dynamic(kernel, grid, tc::kThreads, bytes, arg, stream);
+  const bool staged = per_head < tiles && two_bytes <= shared_memory_limit(device) &&
+                      resident_blocks(reinterpret_cast<const void*>(two), tc::kThreads, two_bytes) >=
+                          resident_blocks(reinterpret_cast<const void*>(one), tc::kThreads, one_bytes);
+  if (staged) launch_dynamic(two, grid, tc::kThreads, two_bytes, arg, stream);
+  else launch_dynamic(one, grid, tc::kThreads, one_bytes, arg, stream);
 }
 
 // W0 = K3 v (B, Hq, m, D): split-N partials from nystrom_k3_tc_fwd_kernel (or nystrom_k3_fwd_kernel), merged in a

@@ -187,12 +187,12 @@ __device__ __forceinline__ void unscale_rows(float (&acc)[D / 8][4], const int (
 }
 
 // Grid and shared memory as nystrom_out_tc_fwd_kernel. lse1 = +inf and Δ1 = 0 for a row with no valid slot.
-template <typename T, int D>
+template <typename T, int D, int STAGES>
 __global__ void __launch_bounds__(kThreads, 2) nystrom_stats_tc_bwd_kernel(const BwdParams bp) {
   const Params& p = bp.p;
   const long long bh = (long long)blockIdx.z * p.hq + blockIdx.y;
   const T* dout = static_cast<const T*>(bp.dout) + bh * p.n * D;
-  attend_tiles<T, D>(p, [&](const float (&o)[D / 8][4], const float (&m)[2], const float (&l)[2], int row0) {
+  attend_tiles<T, D, STAGES>(p, [&](const float (&o)[D / 8][4], const float (&m)[2], const float (&l)[2], int row0) {
     const int t = threadIdx.x % 4;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -227,7 +227,8 @@ template <int D, int W> struct K1Smem {
 
 // Grid (splits, ceil(slots / 16 W), B Hq), 32 W threads. Queries [split * a_chunk, min(+a_chunk, N)).
 template <typename T, int D, int W>
-__global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2)) nystrom_k1_tc_bwd_kernel(const BwdParams bp) {
+__global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
+    nystrom_k1_tc_bwd_kernel(const BwdParams bp) {
   using S = K1Smem<D, W>;
   constexpr int kThreadsW = 32 * W, kSlotsW = 16 * W;
   constexpr int kTile = S::kSlotTile, kQTile = S::kQueryTile, kQueries = S::kQueries;
@@ -329,7 +330,8 @@ template <int D, int W> struct K3BwdSmem {
 // Grid (splits, ceil(m / 16 W), B Hq), 32 W threads. Keys [split * b_chunk, min(+b_chunk, N)); exact sequences write
 // zeros.
 template <typename T, int D, int W>
-__global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2)) nystrom_k3_tc_bwd_kernel(const BwdParams bp) {
+__global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
+    nystrom_k3_tc_bwd_kernel(const BwdParams bp) {
   using S = K3BwdSmem<D, W>;
   constexpr int kTile = S::kTile, kLandTile = S::kLandTile, kThreadsW = 32 * W, kRowsW = 16 * W;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -588,11 +590,13 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
 template <int D> struct DqSmem {
   static constexpr int kRow = D + 8;
   static __host__ __device__ int rows(int slots) { return (slots + 15) / 16 * 16; }
-  static __host__ __device__ int bytes(int slots) { return 4 * rows(slots) * kRow * 2 + 2 * kBQ * kRow * 2; }
+  static __host__ __device__ int bytes(int slots, int stages = 1) {
+    return 4 * rows(slots) * kRow * 2 + 2 * stages * kBQ * kRow * 2;
+  }
 };
 
-// Grid (blocks per head, Hq, B) as the output kernel, 256 threads.
-template <typename T, int D>
+// Grid (blocks per head, Hq, B) as the output kernel, 256 threads; STAGES as attend_tiles (q and dO tiles).
+template <typename T, int D, int STAGES>
 __global__ void __launch_bounds__(kThreads, D == 32 ? 2 : 1) nystrom_dq_tc_bwd_kernel(const BwdParams bp) {
   using S = DqSmem<D>;
   constexpr int kRow = S::kRow;
@@ -607,20 +611,28 @@ __global__ void __launch_bounds__(kThreads, D == 32 ? 2 : 1) nystrom_dq_tc_bwd_k
   uint16_t* klo = khi + rows * kRow;
   uint16_t* vhi = klo + rows * kRow;
   uint16_t* vlo = vhi + rows * kRow;
-  uint16_t* qs = vlo + rows * kRow;
-  uint16_t* dos = qs + kBQ * kRow;
+  uint16_t* qdo = vlo + rows * kRow;  // [stage][q, dO][kBQ][D + 8]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
   const T* dout = static_cast<const T*>(bp.dout) + bh * p.n * D;
   const float scale_log2 = p.root * kLog2e;
+  const int n = p.n;
+  const auto load = [&](int at, int buf) {
+    const int r0 = at * kBQ;
+    uint16_t* qt = qdo + 2 * buf * kBQ * kRow;
+    mma::load_rows_async<kBQ, D, kThreads>(qt, q, p.sq.n, r0, [=](int r) { return r0 + r < n; });
+    mma::load_rows_async<kBQ, D, kThreads>(qt + kBQ * kRow, dout, D, r0, [=](int r) { return r0 + r < n; });
+  };
+  if (STAGES == 2) load(blockIdx.x, 0);
   split_rows<T, D, kThreads>(p.keys + bh * p.slots * D, nvalid, rows, khi, klo);
   split_rows<T, D, kThreads>(p.vals + bh * p.slots * D, nvalid, rows, vhi, vlo);
   const bool landmark = bp.landmarks && !bp.exact[b];
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int q0 = tile * kBQ, n = p.n;
-    __syncthreads();  // the previous tile's readers are done (at the first: the staged buffer is written)
-    mma::load_rows_async<kBQ, D, kThreads>(qs, q, p.sq.n, q0, [=](int r) { return q0 + r < n; });
-    mma::load_rows_async<kBQ, D, kThreads>(dos, dout, D, q0, [=](int r) { return q0 + r < n; });
+  for (int tile = blockIdx.x, buf = 0; tile < tiles; tile += gridDim.x, buf ^= STAGES - 1) {
+    const int q0 = tile * kBQ;
+    if (STAGES == 1) {
+      __syncthreads();  // the previous tile's readers are done (at the first: the staged buffer is written)
+      load(tile, 0);
+    }
     float lse[2], delta[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -629,7 +641,10 @@ __global__ void __launch_bounds__(kThreads, D == 32 ? 2 : 1) nystrom_dq_tc_bwd_k
       delta[r] = row < n ? bp.delta1[bh * n + row] : 0.f;
     }
     mma::cp_async_wait_all();
-    __syncthreads();
+    __syncthreads();  // this tile is in; STAGES 2: every warp is done with the other stage (and the buffer written)
+    if (STAGES == 2 && tile + static_cast<int>(gridDim.x) < tiles) load(tile + gridDim.x, buf ^ 1);
+    const uint16_t* qs = qdo + 2 * buf * kBQ * kRow;
+    const uint16_t* dos = qs + kBQ * kRow;
 
     float acc[D / 8][4];
 #pragma unroll

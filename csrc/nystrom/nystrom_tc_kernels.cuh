@@ -26,12 +26,12 @@ constexpr int kChunk = 32;  // buffer rows per online-softmax step (32: the scor
 // Dynamic shared memory for a buffer of `slots` rows (padded to 16):
 //   khi, klo [rows][D + 8] T     keys as a 16-bit high part and residual (ldmatrix rows 16-byte aligned)
 //   vals     [rows][D + 4] fp32  (tf32 B fragments: lanes (t, g) read rows 2t, 2t + 1, column g: conflict-free)
-//   q        [kBQ][D + 8] T      the query tile
+//   q        [stages][kBQ][D + 8] T  the query tile (two stages: the next one's copy in flight during this one)
 template <int D> struct OutSmem {
   static constexpr int kKey = D + 8, kVal = D + 4;
   static __host__ __device__ int rows(int slots) { return (slots + 15) / 16 * 16; }
-  static __host__ __device__ int bytes(int slots) {
-    return 2 * rows(slots) * kKey * 2 + rows(slots) * kVal * 4 + kBQ * kKey * 2;
+  static __host__ __device__ int bytes(int slots, int stages = 1) {
+    return 2 * rows(slots) * kKey * 2 + rows(slots) * kVal * 4 + stages * kBQ * kKey * 2;
   }
 };
 
@@ -212,12 +212,14 @@ __device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D /
 }
 
 // The softmax attention of query tiles over the head's buffer: grid (blocks per head, Hq, B), 256 threads, dynamic
-// shared memory OutSmem<D>::bytes(p.slots). Per tile, each warp calls epilogue(o, m, l, row0) with its unnormalised
-// o = Σ p vals, the running max m (base 2) and this lane's part of the row sums l of rows row0 and row0 + 8. The
-// query fragments are read from the staged tile at each chunk, not held (at most 128 registers: two blocks per SM
-// for m <= 64 at D 128, where the block's buffer and tile take 104 KB), so the next tile loads after this one.
-template <typename T, int D, typename Epilogue>
+// shared memory OutSmem<D>::bytes(p.slots, STAGES). Per tile, each warp calls epilogue(o, m, l, row0) with its
+// unnormalised o = Σ p vals, the running max m (base 2) and this lane's part of the row sums l of rows row0 and
+// row0 + 8. The query fragments are read from the staged tile at each chunk, not held (at most 128 registers: two
+// blocks per SM). STAGES 2: the block's next tile is copied during this one; 1 (where a second tile would cost a
+// resident block, e.g. m 64 at D 128: 104 KB per block): the next tile loads after this one.
+template <typename T, int D, int STAGES, typename Epilogue>
 __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogue) {
+  static_assert(STAGES == 1 || STAGES == 2, "one or two query tiles");
   using S = OutSmem<D>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tiles = (p.n + kBQ - 1) / kBQ;
@@ -233,15 +235,24 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
   const int n = p.n;
+  const auto load = [&](int at, int buf) {
+    mma::load_rows_async<kBQ, D, kThreads>(qs + buf * kBQ * S::kKey, q, p.sq.n, at * kBQ,
+                                           [=](int r) { return at * kBQ + r < n; });
+  };
+  if (STAGES == 2) load(tile, 0);
   stage_buffer<T, D>(p.keys + bh * p.slots * D, p.vals + bh * p.slots * D, nvalid, rows, khi, klo, vs);
   const float scale_log2 = p.root * kLog2e;  // keys carry √scale, q not yet
   // A fragments: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
   const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
-  for (; tile < tiles; tile += gridDim.x) {
-    __syncthreads();  // the previous tile's readers of qs are done
-    mma::load_rows_async<kBQ, D, kThreads>(qs, q, p.sq.n, tile * kBQ, [=](int r) { return tile * kBQ + r < n; });
+  for (int buf = 0; tile < tiles; tile += gridDim.x, buf ^= STAGES - 1) {
+    if (STAGES == 1) {
+      __syncthreads();  // the previous tile's readers of qs are done
+      load(tile, 0);
+    }
     mma::cp_async_wait_all();
-    __syncthreads();  // the query tile (and, at the first, the buffer) is in shared memory
+    __syncthreads();  // the tile (at the first, the buffer) is in; every warp is done with the other stage
+    if (STAGES == 2 && tile + static_cast<int>(gridDim.x) < tiles) load(tile + gridDim.x, buf ^ 1);
+    const uint16_t* qt = qs + buf * kBQ * S::kKey;
 
     float m[2] = {-inf(), -inf()}, l[2] = {0.f, 0.f};
     float o[D / 8][4];
@@ -249,7 +260,7 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
     for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
     for (int c0 = 0; c0 < nvalid; c0 += kChunk) {
       float s[kChunk / 8][4];
-      chunk_scores<T, D>(s, qs, arow, acol, khi, klo, c0, nvalid, lane);
+      chunk_scores<T, D>(s, qt, arow, acol, khi, klo, c0, nvalid, lane);
       chunk_softmax<D>(s, m, l, o, c0, nvalid, scale_log2, lane);
       chunk_values<D>(o, s, vs, c0, nvalid, lane);
     }
@@ -258,11 +269,11 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
 }
 
 // out = softmax(q_s keysᵀ) vals + conv residual, in T.
-template <typename T, int D>
+template <typename T, int D, int STAGES>
 __global__ void __launch_bounds__(kThreads, 2) nystrom_out_tc_fwd_kernel(const Params p) {
   const int h = blockIdx.y, b = blockIdx.z;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + (h / p.groups) * p.sv.h;
-  attend_tiles<T, D>(p, [&](const float (&o)[D / 8][4], const float (&)[2], const float (&l)[2], int row0) {
+  attend_tiles<T, D, STAGES>(p, [&](const float (&o)[D / 8][4], const float (&)[2], const float (&l)[2], int row0) {
     store_rows<T, D>(p, o, l, row0, b, h, v, threadIdx.x % 32);
   });
 }

@@ -239,12 +239,13 @@ def dq_oracle(q, dout, keys, vals, nvalid, lse1, delta1, mask, m, dql, precision
     return dq * root
 
 
-@pytest.mark.parametrize("d, dtype, m, padded, blocks_per_head, dout_scale", [
-    (64, torch.float16, 32, False, 1, 1.0),     # one block walks both query tiles (128 + 72)
-    (128, torch.bfloat16, 40, True, 2, 1.0),    # slots in two chunks of 32 (+ 8); padding and an exact sequence
-    (64, torch.float16, 32, False, 2, 1e-4),    # tiny dO: dS1's fp16 halves lose less than dq's own rounding
+@pytest.mark.parametrize("d, dtype, m, padded, blocks_per_head, stages, dout_scale", [
+    (64, torch.float16, 32, False, 1, 2, 1.0),   # one block walks both query tiles (128 + 72), the second copied early
+    (64, torch.float16, 32, False, 1, 1, 1.0),   # the same, each tile copied after the last
+    (128, torch.bfloat16, 40, True, 2, 1, 1.0),  # slots in two chunks of 32 (+ 8); padding and an exact sequence
+    (64, torch.float16, 32, False, 2, 2, 1e-4),  # tiny dO: dS1's fp16 halves lose less than dq's own rounding
 ])
-def test_query_gradient_kernel_against_the_oracle(emulator, d, dtype, m, padded, blocks_per_head, dout_scale):
+def test_query_gradient_kernel_against_the_oracle(emulator, d, dtype, m, padded, blocks_per_head, stages, dout_scale):
     b, hq, n = 2, 2, 200
     mask = None
     if padded:
@@ -263,7 +264,7 @@ def test_query_gradient_kernel_against_the_oracle(emulator, d, dtype, m, padded,
         mask_u8 = cumsum = n_real_arg = None
     dq = nan_like(q)
     rc = emulator.nystrom_dq_bwd(int(dtype == torch.bfloat16), d, b, hq, n, m, m, ctypes.c_float(d ** -0.25),
-                                 blocks_per_head, ptr(q), ptr(dout), ptr(keys), ptr(vals), ptr(nv), ptr(lse1),
+                                 blocks_per_head, stages, ptr(q), ptr(dout), ptr(keys), ptr(vals), ptr(nv), ptr(lse1),
                                  ptr(delta1), ptr(mask_u8), ptr(cumsum), ptr(n_real_arg), ptr(exact), ptr(dql),
                                  ptr(counts), ptr(dq))
     check_rc(rc, "nystrom_dq_bwd")

@@ -3,7 +3,7 @@
 // forward and backward (grid (splits, ceil(m / 16 W), B Hq) of `chunk` keys each, W = row_warps(m) warps per block),
 // the dk/dv kernel (grid (splits, Hkv, B) of kv_chunk keys each, the resident instance where KvSmem::fits(groups, m)),
 // the buffer gradients of k1 (grid (splits, ceil(slots / 16 W), B Hq) of a_chunk queries each, W = row_warps(slots))
-// and dq (grid (blocks per head, Hq, B)). The
+// and dq (grid (blocks per head, Hq, B), one or two query-tile stages). The
 // rest of the Nyström backward (its split plans from the GPU's resident blocks, the side stream) stays with the GPU
 // tests; this harness takes each kernel's inputs (buffers, row statistics, landmark-stage arrays) as arrays. A C
 // interface for ctypes (tests/ops/test_nystrom_emulation.py): q, dO contiguous (B, Hq, N, D) and k, v (B, Hkv, N, D)
@@ -48,10 +48,11 @@ bool buffer_gradients(const BwdParams& bp, int b) {
   });
 }
 
-template <typename T, int D>
+template <typename T, int D, int STAGES>
 bool query_gradients(const BwdParams& bp, int b, int blocks_per_head) {
-  if (tc::DqSmem<D>::bytes(bp.p.slots) > static_cast<int>(sizeof(tc::smem))) return false;
-  return emu::launch(dim3(blocks_per_head, bp.p.hq, b), tc::kThreads, [&] { tc::nystrom_dq_tc_bwd_kernel<T, D>(bp); });
+  if (tc::DqSmem<D>::bytes(bp.p.slots, STAGES) > static_cast<int>(sizeof(tc::smem))) return false;
+  return emu::launch(dim3(blocks_per_head, bp.p.hq, b), tc::kThreads,
+                     [&] { tc::nystrom_dq_tc_bwd_kernel<T, D, STAGES>(bp); });
 }
 
 // The fields the key-side kernels (K3's, dk/dv) share: k, v, the padding mask, the scaled landmark queries.
@@ -152,7 +153,7 @@ extern "C" int nystrom_k1_bwd(int bf16, int d, int b, int hq, int n, int slots, 
 
 // dq (B, Hq, N, D); dql (B, Hq, m, D) and counts (B, m) for landmark sequences (n > m and not exact[b]).
 extern "C" int nystrom_dq_bwd(int bf16, int d, int b, int hq, int n, int m, int slots, float root, int blocks_per_head,
-                              const void* q, const void* dout, const float* keys, const float* vals,
+                              int stages, const void* q, const void* dout, const float* keys, const float* vals,
                               const int* nvalid, const float* lse1, const float* delta1, const unsigned char* mask,
                               const int* cumsum, const int* n_real, const unsigned char* exact, const float* dql,
                               const float* counts, void* dq) {
@@ -168,7 +169,10 @@ extern "C" int nystrom_dq_bwd(int bf16, int d, int b, int hq, int n, int m, int 
   bp.landmarks = n > m;
   bp.dql = dql;
   bp.dq = dq;
-  return emu::dispatch(bf16, d, [&]<typename T, int D>() { return query_gradients<T, D>(bp, b, blocks_per_head); });
+  return emu::dispatch(bf16, d, [&]<typename T, int D>() {
+    return stages == 2 ? query_gradients<T, D, 2>(bp, b, blocks_per_head)
+                       : query_gradients<T, D, 1>(bp, b, blocks_per_head);
+  });
 }
 
 extern "C" int nystrom_kv_bwd(int bf16, int d, int b, int hq, int hkv, int n, int m, int slots, float root,
