@@ -97,22 +97,13 @@ __global__ void __launch_bounds__(kThreads) nystrom_landmark_fwd_kernel(const Pa
   float acc[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-  constexpr int kInFlight = 4;  // rows loaded before their sums: one load per thread in flight leaves HBM idle
-  for (int r0 = se.x + slot; r0 < se.y; r0 += kInFlight * kSlots) {
-    uint4 x[kInFlight];
-#pragma unroll
-    for (int i = 0; i < kInFlight; ++i) {
-      const int r = r0 + i * kSlots;
-      const int row = r >= se.y ? -1 : p.pos != nullptr ? p.pos[(long long)b * p.n + r] : r;
-      x[i] = row < 0 ? make_uint4(0u, 0u, 0u, 0u) : __ldg(reinterpret_cast<const uint4*>(base + row * stride) + c);
-    }
-#pragma unroll
-    for (int i = 0; i < kInFlight; ++i) {  // rows in the order of one at a time: the same sums
-      const float2 a = Pair<T>::to_float2(x[i].x), bb = Pair<T>::to_float2(x[i].y);
-      const float2 e2 = Pair<T>::to_float2(x[i].z), f = Pair<T>::to_float2(x[i].w);
-      acc[0] += a.x; acc[1] += a.y; acc[2] += bb.x; acc[3] += bb.y;
-      acc[4] += e2.x; acc[5] += e2.y; acc[6] += f.x; acc[7] += f.y;
-    }
+  for (int r = se.x + slot; r < se.y; r += kSlots) {
+    const int row = p.pos != nullptr ? p.pos[(long long)b * p.n + r] : r;
+    const uint4 x = __ldg(reinterpret_cast<const uint4*>(base + row * stride) + c);
+    const float2 a = Pair<T>::to_float2(x.x), bb = Pair<T>::to_float2(x.y);
+    const float2 e2 = Pair<T>::to_float2(x.z), f = Pair<T>::to_float2(x.w);
+    acc[0] += a.x; acc[1] += a.y; acc[2] += bb.x; acc[3] += bb.y;
+    acc[4] += e2.x; acc[5] += e2.y; acc[6] += f.x; acc[7] += f.y;
   }
 #pragma unroll
   for (int e = 0; e < 8; ++e) part[slot][8 * c + e] = acc[e];
