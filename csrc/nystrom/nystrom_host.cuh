@@ -291,7 +291,11 @@ State landmark_state(Inputs& in, cudaStream_t stream) {
   p.counts = st.counts.data_ptr<float>();
   const dim3 grid(static_cast<unsigned>(in.m), static_cast<unsigned>(in.hq + in.hkv),
                   static_cast<unsigned>(in.batch));
-  nystrom_landmark_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(p);
+  // long segments (N 2M, m 32: 256 blocks of 65,536 rows) in blocks of 1,024 threads: with 256 the SMs held two
+  // blocks each, too few loads in flight to stream from HBM (2.3 TB/s measured); short ones in 256 (the block's final
+  // sum over its row slots grows with the threads)
+  if (in.n / in.m >= 4096) nystrom_landmark_fwd_kernel<T, D, 1024><<<grid, 1024, 0, stream>>>(p);
+  else nystrom_landmark_fwd_kernel<T, D, kThreads><<<grid, kThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return st;
 }

@@ -81,10 +81,10 @@ __device__ __forceinline__ int2 segment_bounds(int l, int n, int m) {
   return make_int2(start, end);
 }
 
-// Grid (m, Hq + Hkv, B): blockIdx.y < Hq averages q head y, else k head y - Hq.
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) nystrom_landmark_fwd_kernel(const Params p) {
-  constexpr int kChunks = D / 8, kSlots = kThreads / kChunks;  // 16-byte chunks per row; rows in flight
+// Grid (m, Hq + Hkv, B), THREADS threads: blockIdx.y < Hq averages q head y, else k head y - Hq.
+template <typename T, int D, int THREADS>
+__global__ void __launch_bounds__(THREADS) nystrom_landmark_fwd_kernel(const Params p) {
+  constexpr int kChunks = D / 8, kSlots = THREADS / kChunks;  // 16-byte chunks per row; rows in flight
   __shared__ float part[kSlots][D];
   const int l = blockIdx.x, hh = blockIdx.y, b = blockIdx.z;
   const bool is_q = hh < p.hq;
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads) nystrom_landmark_fwd_kernel(const Pa
   const float mul = count > 0 ? p.root / count : 0.f;
   float* out = is_q ? p.q_land + (((long long)b * p.hq + hh) * p.m + l) * D
                     : p.k_land + (((long long)b * p.hkv + hh - p.hq) * p.m + l) * D;
-  for (int d = threadIdx.x; d < D; d += kThreads) {
+  for (int d = threadIdx.x; d < D; d += THREADS) {
     float s = 0.f;
     for (int t = 0; t < kSlots; ++t) s += part[t][d];  // fixed order: deterministic
     out[d] = s * mul;

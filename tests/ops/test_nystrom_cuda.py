@@ -77,10 +77,11 @@ def test_extension_registers_the_cuda_kernels():
 
 
 # (N, m, D): N = 1, N < m, N = m, N = m + 1, ragged tails, m not a multiple of the backward's 16-row tiles,
-# long sequences (many query / key splits in the backward) with the most landmarks
+# long sequences (many query / key splits in the backward) with the most landmarks, segments of 4,096 rows and more
+# (the landmark means in blocks of 1,024 threads; the last segment longer)
 @pytest.mark.parametrize("n, m, d", [(1, 16, 32), (7, 1, 64), (7, 16, 128), (63, 64, 64), (64, 64, 32),
                                      (65, 64, 128), (65, 16, 64), (333, 32, 64), (333, 1, 32), (300, 100, 128),
-                                     (4097, 128, 64), (4097, 32, 128)])
+                                     (4097, 128, 64), (4097, 32, 128), (8200, 2, 64), (12_302, 3, 32)])
 def test_lengths_and_landmarks_gqa(n, m, d):
     b, hq, hkv = (1, 2, 1) if n > 1000 else (2, 4, 2)
     check(*make_inputs(b, hq, hkv, n, n, d), m=m)
