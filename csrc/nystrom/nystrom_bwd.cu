@@ -132,15 +132,15 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   // the buffer gradients on tensor cores where the GPU has the shared memory they need (73 KB at D 64, 103 at 128)
-  const bool k1_wide = tc::row_warps(S) == 4;
-  const bool k1_tc = on_tensor_cores(k1_wide ? tc::K1Smem<D, 4>::bytes : tc::K1Smem<D, 2>::bytes, device);
-  const TileKernel<BwdParams> k1 =
-      !k1_tc    ? cuda_core<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>, K1Tiles<D>::BL)
-      : k1_wide ? row_tiled<4>(tc::nystrom_k1_tc_bwd_kernel<T, D, 4>, tc::K1Smem<D, 4>::bytes)
-                : row_tiled<2>(tc::nystrom_k1_tc_bwd_kernel<T, D, 2>, tc::K1Smem<D, 2>::bytes);
+  const TileKernel<BwdParams> k1 = row_tiled_or(
+      S,
+      []<int W>() {
+        using Smem = tc::K1Smem<D, W>;
+        return row_tiled<W>(tc::nystrom_k1_tc_bwd_kernel<T, D, W>, Smem::bytes, Smem::kQueries);
+      },
+      cuda_core<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>, K1Tiles<D>::BL, K1Tiles<D>::BQ), device);
   const int64_t stiles = div_up(S, k1.rows);
-  const auto [a_splits, a_chunk] =
-      split_plan(N, k1_tc ? tc::K1Smem<D, 4>::kQueries : K1Tiles<D>::BQ, stiles * bh, k1.resident());
+  const auto [a_splits, a_chunk] = split_plan(N, k1.step, stiles * bh, k1.resident());
   const at::Tensor part_dkeys = at::empty({a_splits, B, Hq, S, in.d}, f32);
   const at::Tensor part_dvals = at::empty({a_splits, B, Hq, S, in.d}, f32);
   bp.a_chunk = static_cast<int>(a_chunk);
@@ -195,15 +195,15 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
       return softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz, ns_stream));
     }));
     // 41 / 73 / 137 KB at D 32 / 64 / 128 with four warps, 31 / 56 / 105 KB with two
-    const bool k3_wide = tc::row_warps(m) == 4;
-    const bool k3_tc = on_tensor_cores(k3_wide ? tc::K3BwdSmem<D, 4>::bytes : tc::K3BwdSmem<D, 2>::bytes, device);
-    const TileKernel<BwdParams> k3 =
-        !k3_tc    ? cuda_core<typename K3BwdTiles<D>::Smem>(nystrom_k3_bwd_kernel<T, D>, K3BwdTiles<D>::BL)
-        : k3_wide ? row_tiled<4>(tc::nystrom_k3_tc_bwd_kernel<T, D, 4>, tc::K3BwdSmem<D, 4>::bytes)
-                  : row_tiled<2>(tc::nystrom_k3_tc_bwd_kernel<T, D, 2>, tc::K3BwdSmem<D, 2>::bytes);
+    const TileKernel<BwdParams> k3 = row_tiled_or(
+        m,
+        []<int W>() {
+          return row_tiled<W>(tc::nystrom_k3_tc_bwd_kernel<T, D, W>, tc::K3BwdSmem<D, W>::bytes, tc::kK3Keys);
+        },
+        cuda_core<typename K3BwdTiles<D>::Smem>(nystrom_k3_bwd_kernel<T, D>, K3BwdTiles<D>::BL, K3BwdTiles<D>::BK),
+        device);
     const int64_t ltiles = div_up(m, k3.rows);
-    const auto [b_splits, b_chunk] =
-        split_plan(N, k3_tc ? tc::kK3Keys : K3BwdTiles<D>::BK, ltiles * bh, k3.resident());
+    const auto [b_splits, b_chunk] = split_plan(N, k3.step, ltiles * bh, k3.resident());
     part_dql = at::empty({b_splits, B, Hq, m, in.d}, f32);
     bp.dw0 = dw0.data_ptr<float>();
     bp.lse3 = lse3.data_ptr<float>();

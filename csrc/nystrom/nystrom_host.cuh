@@ -166,12 +166,13 @@ void launch_dynamic(void (*kernel)(Arg), dim3 grid, int threads, int bytes, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// A kernel over row tiles and its launch shape: threads and dynamic shared memory per block, rows per block. The
-// tensor-core kernels of W warps (row_tiled: 32 W threads, 16 W rows) or a CUDA-core one (cuda_core: kThreads, a
-// shared-memory struct as dynamic shared memory, opted in above 48 KB).
+// A kernel over row tiles and its launch shape: threads and dynamic shared memory per block; for the split-N kernels
+// the rows per block (landmarks, buffer slots) and the tile along N (`step`: the split plan's tile). The tensor-core
+// kernels of W warps (row_tiled: 32 W threads, 16 W rows) or a CUDA-core one (cuda_core: kThreads, a shared-memory
+// struct as dynamic shared memory, opted in above 48 KB).
 template <typename Arg> struct TileKernel {
   void (*kernel)(Arg);
-  int threads, bytes, rows;
+  int threads, bytes, rows, step;
 
   int64_t resident() const { return resident_blocks(reinterpret_cast<const void*>(kernel), threads, bytes); }
   void launch(dim3 grid, const Arg& arg, cudaStream_t stream) const {
@@ -179,12 +180,12 @@ template <typename Arg> struct TileKernel {
   }
 };
 
-template <int W, typename Arg> TileKernel<Arg> row_tiled(void (*kernel)(Arg), int bytes) {
-  return {kernel, 32 * W, bytes, 16 * W};
+template <int W, typename Arg> TileKernel<Arg> row_tiled(void (*kernel)(Arg), int bytes, int step) {
+  return {kernel, 32 * W, bytes, 16 * W, step};
 }
 
-template <typename Smem, typename Arg> TileKernel<Arg> cuda_core(void (*kernel)(Arg), int rows) {
-  return {kernel, kThreads, static_cast<int>(sizeof(Smem)), rows};
+template <typename Smem, typename Arg> TileKernel<Arg> cuda_core(void (*kernel)(Arg), int rows = 0, int step = 0) {
+  return {kernel, kThreads, static_cast<int>(sizeof(Smem)), rows, step};
 }
 
 // launch(TM) with the m x m kernels' tile count for m landmarks: the least TM of 2, 4, 8 with m <= 16 TM.
@@ -337,6 +338,16 @@ inline bool on_tensor_cores(int bytes, const c10::Device& device) {
   return tensor_cores_enabled() && bytes <= shared_memory_limit(device);
 }
 
+// The row-tiled tensor-core kernel for `rows` rows per head, instance.template operator()<W>() at W = row_warps(rows),
+// where the GPU has its shared memory; else `fallback`, its CUDA-core twin.
+template <typename Arg, typename Instance>
+TileKernel<Arg> row_tiled_or(int64_t rows, const Instance& instance, const TileKernel<Arg>& fallback,
+                             const c10::Device& device) {
+  const TileKernel<Arg> k =
+      tc::row_warps(rows) == 2 ? instance.template operator()<2>() : instance.template operator()<4>();
+  return on_tensor_cores(k.bytes, device) ? k : fallback;
+}
+
 // Whether the attention over the key/value buffer (the forward's output, the backward's row statistics) runs on
 // tensor cores: sm_90 always; sm_80 (163 KB per block) lacks the shared memory at D = 128 with more than 112 slots.
 template <int D>
@@ -370,13 +381,12 @@ void launch_query_tiles(void (*one)(Arg), int one_bytes, void (*two)(Arg), int t
 template <typename T, int D>
 at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr) {
   Params& p = in.p;
-  const TileKernel<Params> k3 =
-      !tensor_cores_enabled()     ? TileKernel<Params>{nystrom_k3_fwd_kernel<T, D>, kThreads, 0, K3Tiles<D>::BL}
-      : tc::row_warps(in.m) == 2 ? row_tiled<2>(tc::nystrom_k3_tc_fwd_kernel<T, D, 2>, tc::K3Smem<D>::bytes)
-                                 : row_tiled<4>(tc::nystrom_k3_tc_fwd_kernel<T, D, 4>, tc::K3Smem<D>::bytes);
-  const int BK = tensor_cores_enabled() ? tc::kK3Keys : K3Tiles<D>::BK;
+  const TileKernel<Params> k3 = row_tiled_or(
+      in.m,
+      []<int W>() { return row_tiled<W>(tc::nystrom_k3_tc_fwd_kernel<T, D, W>, tc::K3Smem<D>::bytes, tc::kK3Keys); },
+      TileKernel<Params>{nystrom_k3_fwd_kernel<T, D>, kThreads, 0, K3Tiles<D>::BL, K3Tiles<D>::BK}, in.q.device());
   const int64_t bh = in.batch * in.hq, ltiles = div_up(in.m, k3.rows);
-  const auto [splits, chunk] = split_plan(in.n, BK, ltiles * bh, k3.resident());
+  const auto [splits, chunk] = split_plan(in.n, k3.step, ltiles * bh, k3.resident());
   const auto f32 = in.q.options().dtype(at::kFloat);
   at::Tensor part_max = at::empty({splits, bh, in.m}, f32);
   at::Tensor part_sum = at::empty({splits, bh, in.m}, f32);
