@@ -1,19 +1,20 @@
-"""Three Nyström backward kernels on the CPU (csrc/nystrom/nystrom_tc_bwd_kernels.cuh compiled by g++ with
-tests/ops/emulation, each launched as csrc/nystrom/nystrom_bwd.cu launches it) on given inputs, against float64
-oracles of what they compute. With P[i, c] = 2^(q[i] · keys[c] · √scale · log2(e) - lse1[i]) over the valid buffer
-slots c and dS1[i, c] = P[i, c] (dO[i] · vals[c] - Δ1[i]), the buffer gradients of k1 (per query split) are
-d vals[c] = Σ_i P[i, c] dO[i] and d keys[c] = √scale Σ_i dS1[i, c] q[i], and dq[i] = √scale (Σ_c dS1[i, c] keys[c] +
-d Q̃[l(i)] / |segment l(i)|) (the landmark term for real tokens of landmark sequences). The dk/dv kernel: for every real
-key j of kv head g and each q head h of g's group,
+"""Seven Nyström kernels on the CPU (csrc/nystrom/nystrom_tc_kernels.cuh and nystrom_tc_bwd_kernels.cuh compiled by g++
+with tests/ops/emulation, each launched as csrc/nystrom/nystrom_fwd.cu / nystrom_bwd.cu launch it) on given inputs,
+against float64 oracles of what they compute: K3's forward and backward, the output, and the backward's row
+statistics, buffer gradients (k1), dq and dk/dv. The output is softmax(q keysᵀ √scale) vals over the valid buffer
+slots plus the conv residual of v; the row statistics lse1 (base 2) and Δ1 = dO · that attention. With P[i, c] =
+2^(q[i] · keys[c] · √scale · log2(e) - lse1[i]) over the valid buffer slots c and dS1[i, c] = P[i, c] (dO[i] · vals[c]
+- Δ1[i]), the buffer gradients of k1 (per query split) are d vals[c] = Σ_i P[i, c] dO[i] and d keys[c] = √scale Σ_i
+dS1[i, c] q[i], and dq[i] = √scale (Σ_c dS1[i, c] keys[c] + d Q̃[l(i)] / |segment l(i)|) (the landmark term for real
+tokens of landmark sequences). The dk/dv kernel: for every real key j of kv head g and each q head h of g's group,
 
     K3[l, j] = 2^(Q̃[h, l] · k[j] · √scale · log2(e) - lse3[h, l]),   dS3[l, j] = K3[l, j] (dW0[h, l] · v[j] - rowdot[h, l])
     dv[j] = Σ_h Σ_l K3[l, j] dW0[h, l],   dk[j] = √scale (Σ_h Σ_l dS3[l, j] Q̃[h, l] + d K̃[g, l(j)] / |segment l(j)|)
 
-and, for a sequence on the exact path (n <= m real tokens), the gradient rows of its buffer slots; padding rows 0.
-The baseline of the tolerance rule is the same oracle in float32, rounded to the kernel's dtype (k1's fp32 partial
-sums: a relative bound). The whole backward runs on the GPU tests (tests/ops/test_nystrom_cuda.py); this checks the
-kernels' tiling in CI, and the per-row scaling of dS1 before its fp16 halves when dO is tiny.
-"""
+and, for a sequence on the exact path (n <= m real tokens), the gradient rows of its buffer slots; padding rows 0. The
+baseline of the tolerance rule is the same oracle in float32, rounded to the kernel's dtype (k1's fp32 partial sums: a
+relative bound). The whole backward runs on the GPU tests (tests/ops/test_nystrom_cuda.py); this checks the kernels'
+tiling in CI, and the per-row scaling of dS1 before its fp16 halves when dO is tiny."""
 import ctypes
 import math
 
@@ -154,11 +155,19 @@ def buffer_inputs(b, hq, n, slots, nvalid, d, dtype, dout_scale, seed):
     keys = torch.randn(b, hq, slots, d, generator=g) * d ** -0.25
     vals = torch.randn(b, hq, slots, d, generator=g)
     nvalid = torch.tensor(nvalid, dtype=torch.int32)
-    p = buffer_probabilities(q, keys, nvalid, d ** -0.25, torch.float64)
-    delta1 = (p * (dout.double() @ vals.double().transpose(-1, -2))).sum(-1)
-    lse1 = buffer_logits(q, keys, nvalid, d ** -0.25, torch.float64).logsumexp(-1) / math.log(2)
-    lse1 = lse1.masked_fill(lse1 == -math.inf, math.inf)  # no valid slot: +inf, as the row-statistics kernel writes
-    return q, dout, keys, vals, nvalid, lse1.flatten(0, 1).float(), delta1.flatten(0, 1).float()
+    lse1, delta1 = stats_oracle(q, dout, keys, vals, nvalid, torch.float64)
+    return q, dout, keys, vals, nvalid, lse1.float(), delta1.float()
+
+
+def stats_oracle(q, dout, keys, vals, nvalid, precision):
+    """K1's row statistics (B Hq, N): lse1 = log2 Σ_c 2^(base-2 logit) (+inf for a row with no valid slot, as the
+    row-statistics kernel writes) and Δ1 = dO · (P vals)."""
+    root = q.shape[-1] ** -0.25
+    p = buffer_probabilities(q, keys, nvalid, root, precision)
+    delta1 = (p * (dout.to(precision) @ vals.to(precision).transpose(-1, -2))).sum(-1)
+    lse1 = buffer_logits(q, keys, nvalid, root, precision).logsumexp(-1) / math.log(2)
+    lse1 = lse1.masked_fill(lse1 == -math.inf, math.inf)
+    return lse1.flatten(0, 1), delta1.flatten(0, 1)
 
 
 def buffer_logits(q, keys, nvalid, root, precision):
@@ -211,12 +220,12 @@ def test_buffer_gradient_kernel_against_the_oracle(emulator, d, dtype, slots, nv
     check_rc(rc, "nystrom_k1_bwd")
     want = k1_oracle(q, dout, keys, vals, nv, lse1, delta1, a_chunk, torch.float64)
     for name, got, w in zip(("d keys", "d vals"), (part_dkeys, part_dvals), want):
-        assert_close_to_oracle(got, w, rtol=K1_RTOL[dtype], name=name)
+        assert_close_to_oracle(got, w, rtol=SPLIT_RTOL[dtype], name=name)
 
 
-# of max|oracle|: fp32 partial sums of products whose fp32 factor is split into two 16-bit halves, which keep ~22
-# bits in fp16 and ~16 in bf16 (2^-16 = 1.5e-5 per product; measured 4e-6 of the maximum at D 128)
-K1_RTOL = {torch.float16: 2e-6, torch.bfloat16: 2e-5}
+# of max|oracle|: fp32 sums of products whose fp32 factor is split into two 16-bit halves, which keep ~22 bits in fp16
+# and ~16 in bf16 (2^-16 = 1.5e-5 per product; measured 4e-6 of the maximum at D 128 in k1)
+SPLIT_RTOL = {torch.float16: 2e-6, torch.bfloat16: 2e-5}
 
 
 def dq_oracle(q, dout, keys, vals, nvalid, lse1, delta1, mask, m, dql, precision):
@@ -357,4 +366,71 @@ def test_k3_backward_kernel_against_the_oracle(emulator, d, dtype, m, hq, hkv, c
     ds3 = ds3 * (1 - exact.double())[:, None, None, None]
     for s, keys in enumerate(splits):
         want = (ds3[..., keys] @ kg[:, :, keys]).flatten(0, 1) * root
-        assert_close_to_oracle(part_dql[s], want, rtol=K1_RTOL[dtype], name=f"dQ̃, split {s}")
+        assert_close_to_oracle(part_dql[s], want, rtol=SPLIT_RTOL[dtype], name=f"dQ̃, split {s}")
+
+
+def out_oracle(q, v, keys, vals, nvalid, conv, mask, precision):
+    """softmax(q keysᵀ √scale) vals over the valid buffer rows (0 where none), plus the conv residual
+    Σ_tap conv[h, tap] v[i + tap - ks // 2] over the real tokens inside the sequence."""
+    b, hq, n, d = q.shape
+    out = buffer_probabilities(q, keys, nvalid, d ** -0.25, precision) @ vals.to(precision)
+    if conv is None:
+        return out
+    vg = v.to(precision).repeat_interleave(hq // v.shape[1], 1)
+    if mask is not None:
+        vg = vg * mask[:, None, :, None]
+    for tap in range(conv.shape[1]):
+        shift = tap - conv.shape[1] // 2  # out[i] takes v[i + shift]
+        shifted = torch.zeros_like(vg)
+        if shift >= 0:
+            shifted[:, :, :n - shift] = vg[:, :, shift:]
+        else:
+            shifted[:, :, -shift:] = vg[:, :, :n + shift]
+        out = out + conv[:, tap].to(precision)[None, :, None, None] * shifted
+    return out
+
+
+# (d, dtype, slots, nvalid, blocks_per_head, stages, conv_ks, padded); N = 200: two query tiles of 128 and 72
+QUERY_TILE_CASES = [
+    (64, torch.float16, 32, [32, 32], 1, 2, None, False),   # one block walks both tiles, the second copied early
+    (64, torch.float16, 32, [32, 20], 1, 1, 3, True),       # the same, each tile copied after the last; conv, padding
+    (128, torch.bfloat16, 70, [70, 41], 2, 2, None, False),  # slots in chunks of 32 (+ 6); a tile per block
+    (32, torch.float16, 16, [9, 0], 1, 2, 5, True),         # a batch without valid slots: its rows are the conv only
+]
+
+
+@pytest.mark.parametrize("d, dtype, slots, nvalid, blocks_per_head, stages, conv_ks, padded", QUERY_TILE_CASES)
+def test_output_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, blocks_per_head, stages, conv_ks,
+                                          padded):
+    b, hq, hkv, n = 2, 2, 1, 200
+    q, _, keys, vals, nv, _, _ = buffer_inputs(b, hq, n, slots, nvalid, d, dtype, 1.0, seed=d + slots)
+    _, _, v = cpu_inputs(b, hkv, hkv, n, n, d, dtype=dtype, seed=d)
+    conv = None if conv_ks is None else torch.randn(hq, conv_ks, generator=torch.Generator().manual_seed(d)) * 0.3
+    mask = make_padding(b, n, min_real=n // 2, seed=d) if padded else None
+    mask_u8 = None if mask is None else mask.to(torch.uint8)
+    out = nan_like(q)
+    rc = emulator.nystrom_out_fwd(int(dtype == torch.bfloat16), d, b, hq, hkv, n, slots, ctypes.c_float(d ** -0.25),
+                                  blocks_per_head, stages, ptr(q), ptr(v), ptr(keys), ptr(vals), ptr(nv), ptr(conv),
+                                  0 if conv is None else conv_ks, ptr(mask_u8), ptr(out))
+    check_rc(rc, "nystrom_out_fwd")
+    args = (q, v, keys, vals, nv, conv, mask)
+    assert_close_to_oracle(out, out_oracle(*args, torch.float64), baseline=out_oracle(*args, torch.float32).to(dtype),
+                           factor=FACTOR, floor=FLOOR, name="out")
+
+
+@pytest.mark.parametrize("d, dtype, slots, nvalid, blocks_per_head, stages", [c[:6] for c in QUERY_TILE_CASES])
+def test_row_statistics_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, blocks_per_head, stages):
+    b, hq, n = 2, 2, 200
+    q, dout, keys, vals, nv, _, _ = buffer_inputs(b, hq, n, slots, nvalid, d, dtype, 1.0, seed=d + slots)
+    lse1 = nan_like(q, (b * hq, n), torch.float32)
+    delta1 = nan_like(q, (b * hq, n), torch.float32)
+    rc = emulator.nystrom_stats_bwd(int(dtype == torch.bfloat16), d, b, hq, n, slots, ctypes.c_float(d ** -0.25),
+                                    blocks_per_head, stages, ptr(q), ptr(dout), ptr(keys), ptr(vals), ptr(nv),
+                                    ptr(lse1), ptr(delta1))
+    check_rc(rc, "nystrom_stats_bwd")
+    want_lse, want_delta = stats_oracle(q, dout, keys, vals, nv, torch.float64)
+    none = torch.isinf(want_lse)  # rows with no valid slot: +inf and Δ1 = 0 exactly
+    assert torch.equal(torch.isinf(lse1), none) and (lse1[none] > 0).all() and (delta1[none] == 0).all()
+    assert_close_to_oracle(lse1[~none], want_lse[~none], rtol=SPLIT_RTOL[dtype], name="lse1")
+    assert_close_to_oracle(delta1, want_delta, rtol=SPLIT_RTOL[dtype], name="delta1")
+

@@ -1,9 +1,9 @@
-// Five Nyström kernels (csrc/nystrom/nystrom_tc_kernels.cuh, nystrom_tc_bwd_kernels.cuh) on the CPU through
+// Seven Nyström kernels (csrc/nystrom/nystrom_tc_kernels.cuh, nystrom_tc_bwd_kernels.cuh) on the CPU through
 // cuda_on_cpu.h and common/ptx.cuh of this folder, each launched as nystrom_host.cuh / nystrom_bwd.cu launch it: K3's
 // forward and backward (grid (splits, ceil(m / 16 W), B Hq) of `chunk` keys each, W = row_warps(m) warps per block),
 // the dk/dv kernel (grid (splits, Hkv, B) of kv_chunk keys each, the resident instance where KvSmem::fits(groups, m)),
 // the buffer gradients of k1 (grid (splits, ceil(slots / 16 W), B Hq) of a_chunk queries each, W = row_warps(slots))
-// and dq (grid (blocks per head, Hq, B), one or two query-tile stages). The
+// and dq, the output and the row statistics (grid (blocks per head, Hq, B), one or two query-tile stages). The
 // rest of the Nyström backward (its split plans from the GPU's resident blocks, the side stream) stays with the GPU
 // tests; this harness takes each kernel's inputs (buffers, row statistics, landmark-stage arrays) as arrays. A C
 // interface for ctypes (tests/ops/test_nystrom_emulation.py): q, dO contiguous (B, Hq, N, D) and k, v (B, Hkv, N, D)
@@ -48,11 +48,17 @@ bool buffer_gradients(const BwdParams& bp, int b) {
   });
 }
 
-template <typename T, int D, int STAGES>
-bool query_gradients(const BwdParams& bp, int b, int blocks_per_head) {
-  if (tc::DqSmem<D>::bytes(bp.p.slots, STAGES) > static_cast<int>(sizeof(tc::smem))) return false;
-  return emu::launch(dim3(blocks_per_head, bp.p.hq, b), tc::kThreads,
-                     [&] { tc::nystrom_dq_tc_bwd_kernel<T, D, STAGES>(bp); });
+// f.template operator()<STAGES>() for 1 or 2 query-tile stages (the output, row-statistics and dq kernels).
+template <typename F>
+bool with_stages(int stages, F f) {
+  return stages == 2 ? f.template operator()<2>() : f.template operator()<1>();
+}
+
+// A query-tile kernel over grid (blocks per head, Hq, B) where the emulation has its `bytes` of shared memory.
+template <typename Kernel>
+bool query_tiles(int bytes, int b, int hq, int blocks_per_head, Kernel kernel) {
+  if (bytes > static_cast<int>(sizeof(tc::smem))) return false;
+  return emu::launch(dim3(blocks_per_head, hq, b), tc::kThreads, kernel);
 }
 
 // The fields the key-side kernels (K3's, dk/dv) share: k, v, the padding mask, the scaled landmark queries.
@@ -170,8 +176,10 @@ extern "C" int nystrom_dq_bwd(int bf16, int d, int b, int hq, int n, int m, int 
   bp.dql = dql;
   bp.dq = dq;
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
-    return stages == 2 ? query_gradients<T, D, 2>(bp, b, blocks_per_head)
-                       : query_gradients<T, D, 1>(bp, b, blocks_per_head);
+    return with_stages(stages, [&]<int STAGES>() {
+      return query_tiles(tc::DqSmem<D>::bytes(slots, STAGES), b, hq, blocks_per_head,
+                         [&] { tc::nystrom_dq_tc_bwd_kernel<T, D, STAGES>(bp); });
+    });
   });
 }
 
@@ -204,3 +212,41 @@ extern "C" int nystrom_kv_bwd(int bf16, int d, int b, int hq, int hkv, int n, in
     return tc::resident_kv_land<D>(m) == 32 ? key_gradients<T, D, true, 32>(bp, b) : key_gradients<T, D, true>(bp, b);
   });
 }
+
+// The output (B, Hq, N, D) 16-bit: softmax attention of q over the buffers plus the conv residual of v (conv (Hq, ks)
+// fp32, or null; v (B, Hkv, N, D)); mask (B, N) bytes or null.
+extern "C" int nystrom_out_fwd(int bf16, int d, int b, int hq, int hkv, int n, int slots, float root,
+                               int blocks_per_head, int stages, const void* q, const void* v, const float* keys,
+                               const float* vals, const int* nvalid, const float* conv, int ks,
+                               const unsigned char* mask, void* out) {
+  Params p = query_side(d, hq, n, slots, root, q, nullptr, keys, vals, nvalid, nullptr, nullptr).p;
+  p.v = v;
+  p.sv = emu::contiguous(hkv, n, d);
+  p.hkv = hkv;
+  p.groups = hq / hkv;
+  p.conv = conv;
+  p.ks = ks;
+  p.mask = mask;
+  p.mask_stride = n;
+  p.out = out;
+  return emu::dispatch(bf16, d, [&]<typename T, int D>() {
+    return with_stages(stages, [&]<int STAGES>() {
+      return query_tiles(tc::OutSmem<D>::bytes(slots, STAGES), b, hq, blocks_per_head,
+                         [&] { tc::nystrom_out_tc_fwd_kernel<T, D, STAGES>(p); });
+    });
+  });
+}
+
+// K1's row statistics lse1, Δ1 (B Hq, N) fp32, written by the kernel.
+extern "C" int nystrom_stats_bwd(int bf16, int d, int b, int hq, int n, int slots, float root, int blocks_per_head,
+                                 int stages, const void* q, const void* dout, const float* keys, const float* vals,
+                                 const int* nvalid, float* lse1, float* delta1) {
+  const BwdParams bp = query_side(d, hq, n, slots, root, q, dout, keys, vals, nvalid, lse1, delta1);
+  return emu::dispatch(bf16, d, [&]<typename T, int D>() {
+    return with_stages(stages, [&]<int STAGES>() {
+      return query_tiles(tc::OutSmem<D>::bytes(slots, STAGES), b, hq, blocks_per_head,
+                         [&] { tc::nystrom_stats_tc_bwd_kernel<T, D, STAGES>(bp); });
+    });
+  });
+}
+
