@@ -108,7 +108,25 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   at::Tensor dq = at::empty(in.q.sizes(), in.q.options().memory_format(contiguous));
   at::Tensor dk = at::empty(in.k.sizes(), in.k.options().memory_format(contiguous));
   at::Tensor dv = at::empty(in.v.sizes(), in.v.options().memory_format(contiguous));
-  const at::Tensor lse1 = at::empty({bh, N}, f32), delta1 = at::empty({bh, N}, f32);
+  // the buffer gradients d keys = dS1ᵀ q_s, d vals = K1ᵀ dO (B, Hq, S, D) on tensor cores where the GPU has the
+  // shared memory they need (57 / 76 KB at D 64 with two / four warps, 105 at D 128); with the forward's lse1 and one
+  // slot tile per block, k1 sums Δ1 itself, else the row-statistics kernel computes lse1 and Δ1 first
+  const c10::Device device = in.q.device();
+  const auto pick_k1 = [&]<bool DELTA>() {
+    return row_tiled_or(
+        S,
+        []<int W>() {
+          using Smem = tc::K1Smem<D, W>;
+          return row_tiled<W>(tc::nystrom_k1_tc_bwd_kernel<T, D, W, DELTA>, Smem::bytes, Smem::kQueries);
+        },
+        cuda_core<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>, K1Tiles<D>::BL, K1Tiles<D>::BQ), device);
+  };
+  TileKernel<BwdParams> k1 = pick_k1.template operator()<true>();
+  const bool delta_in_k1 = st.lse1.defined() && k1.tensor_cores && div_up(S, k1.rows) == 1;
+  // lse1: the forward's rows where k1 sums Δ1, else the row-statistics kernel's (the saved state stays as it is); Δ1 0
+  // where no block writes it (a sequence without valid slots: only with a mask), which dq reads and does not use
+  const at::Tensor lse1 = delta_in_k1 ? st.lse1 : at::empty({bh, N}, f32);
+  const at::Tensor delta1 = in.mask.defined() ? at::zeros({bh, N}, f32) : at::empty({bh, N}, f32);
   BwdParams bp{};
   bp.p = in.p;
   bp.dout = dout.data_ptr();
@@ -120,25 +138,17 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   bp.dq = dq.data_ptr();
   bp.dk = dk.data_ptr();
   bp.dv = dv.data_ptr();
-
-  // row statistics of K1, then the buffer gradients d keys = dS1ᵀ q_s, d vals = K1ᵀ dO (B, Hq, S, D)
-  const c10::Device device = in.q.device();
-  if (buffer_attention_on_tensor_cores<D>(in, device)) {
-    launch_query_tiles(tc::nystrom_stats_tc_bwd_kernel<T, D, 1>, tc::OutSmem<D>::bytes(in.p.slots),
-                       tc::nystrom_stats_tc_bwd_kernel<T, D, 2>, tc::OutSmem<D>::bytes(in.p.slots, 2), bp, in, device,
-                       stream);
-  } else {
-    nystrom_stats_bwd_kernel<T, D><<<grid_of(div_up(N, OutTiles<D>::BQ), Hq, B), kThreads, 0, stream>>>(bp);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (!delta_in_k1) {
+    k1 = pick_k1.template operator()<false>();
+    if (buffer_attention_on_tensor_cores<D>(in, device)) {
+      launch_query_tiles(tc::nystrom_stats_tc_bwd_kernel<T, D, 1>, tc::OutSmem<D>::bytes(in.p.slots),
+                         tc::nystrom_stats_tc_bwd_kernel<T, D, 2>, tc::OutSmem<D>::bytes(in.p.slots, 2), bp, in,
+                         device, stream);
+    } else {
+      nystrom_stats_bwd_kernel<T, D><<<grid_of(div_up(N, OutTiles<D>::BQ), Hq, B), kThreads, 0, stream>>>(bp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   }
-  // the buffer gradients on tensor cores where the GPU has the shared memory they need (73 KB at D 64, 103 at 128)
-  const TileKernel<BwdParams> k1 = row_tiled_or(
-      S,
-      []<int W>() {
-        using Smem = tc::K1Smem<D, W>;
-        return row_tiled<W>(tc::nystrom_k1_tc_bwd_kernel<T, D, W>, Smem::bytes, Smem::kQueries);
-      },
-      cuda_core<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>, K1Tiles<D>::BL, K1Tiles<D>::BQ), device);
   const int64_t stiles = div_up(S, k1.rows);
   const auto [a_splits, a_chunk] = split_plan(N, k1.step, stiles * bh, k1.resident());
   const at::Tensor part_dkeys = at::empty({a_splits, B, Hq, S, in.d}, f32);

@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_stats_bwd_kernel(const Bw
     }
     dot = halfwarp_sum(dot);
     if (row < p.n && tx == 0) {
-      bp.lse1[bh * p.n + row] = sum > 0.f ? m[i] + __log2f(sum) : inf();
+      bp.lse1[bh * p.n + row] = row_lse(m[i], sum);
       bp.delta1[bh * p.n + row] = sum > 0.f ? dot / sum : 0.f;
     }
   }

@@ -27,6 +27,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> nystrom_fwd_cuda(
     at::Tensor lse3;
     finish_state<D>(in, st, [&] { return k3_values<T, D>(in, stream, &lse3); }, true, stream);
     in.p.out = out.data_ptr();
+    st.lse1 = at::empty({in.batch, in.hq, in.n}, q.options().dtype(at::kFloat));
+    in.p.out_lse = st.lse1.data_ptr<float>();
     if (buffer_attention_on_tensor_cores<D>(in, q.device())) {
       launch_query_tiles(tc::nystrom_out_tc_fwd_kernel<T, D, 1>, tc::OutSmem<D>::bytes(in.p.slots),
                          tc::nystrom_out_tc_fwd_kernel<T, D, 2>, tc::OutSmem<D>::bytes(in.p.slots, 2), in.p, in,

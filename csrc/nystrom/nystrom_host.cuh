@@ -156,6 +156,7 @@ struct State {
   NsSaved ns;
   int64_t slots = 0;               // rows of the key/value buffers: min(m, N)
   at::Tensor keys, vals, nvalid;   // (B, Hq, slots, D) fp32 contiguous; (B,) int32
+  at::Tensor lse1;                 // (B, Hq, N) fp32: the output rows' row_lse (the forward's); undefined when recomputed
 };
 
 // kernel<<<grid, threads, bytes, stream>>>(arg) with its dynamic shared memory opted in (needed above 48 KB).
@@ -173,6 +174,7 @@ void launch_dynamic(void (*kernel)(Arg), dim3 grid, int threads, int bytes, cons
 template <typename Arg> struct TileKernel {
   void (*kernel)(Arg);
   int threads, bytes, rows, step;
+  bool tensor_cores;
 
   int64_t resident() const { return resident_blocks(reinterpret_cast<const void*>(kernel), threads, bytes); }
   void launch(dim3 grid, const Arg& arg, cudaStream_t stream) const {
@@ -181,11 +183,11 @@ template <typename Arg> struct TileKernel {
 };
 
 template <int W, typename Arg> TileKernel<Arg> row_tiled(void (*kernel)(Arg), int bytes, int step) {
-  return {kernel, 32 * W, bytes, 16 * W, step};
+  return {kernel, 32 * W, bytes, 16 * W, step, true};
 }
 
 template <typename Smem, typename Arg> TileKernel<Arg> cuda_core(void (*kernel)(Arg), int rows = 0, int step = 0) {
-  return {kernel, kThreads, static_cast<int>(sizeof(Smem)), rows, step};
+  return {kernel, kThreads, static_cast<int>(sizeof(Smem)), rows, step, false};
 }
 
 // launch(TM) with the m x m kernels' tile count for m landmarks: the least TM of 2, 4, 8 with m <= 16 TM.
@@ -384,7 +386,8 @@ at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr)
   const TileKernel<Params> k3 = row_tiled_or(
       in.m,
       []<int W>() { return row_tiled<W>(tc::nystrom_k3_tc_fwd_kernel<T, D, W>, tc::K3Smem<D>::bytes, tc::kK3Keys); },
-      TileKernel<Params>{nystrom_k3_fwd_kernel<T, D>, kThreads, 0, K3Tiles<D>::BL, K3Tiles<D>::BK}, in.q.device());
+      TileKernel<Params>{nystrom_k3_fwd_kernel<T, D>, kThreads, 0, K3Tiles<D>::BL, K3Tiles<D>::BK, false},
+      in.q.device());
   const int64_t bh = in.batch * in.hq, ltiles = div_up(in.m, k3.rows);
   const auto [splits, chunk] = split_plan(in.n, k3.step, ltiles * bh, k3.resident());
   const auto f32 = in.q.options().dtype(at::kFloat);
@@ -468,6 +471,7 @@ void finish_state(Inputs& in, State& st, W0Of w0_of, bool save, cudaStream_t str
 enum StateSlot : int {
   kExact, kNvalid, kKeys, kVals, kCumsum, kNReal, kPos,                 // every sequence
   kQLand, kKLand, kCounts, kW0, kK2, kZ, kNsA, kNsS, kNsZs, kLse3,      // landmark sequences (N > m)
+  kLse1,                                                                // every sequence: (B, Hq, N) row_lse
   kStateSize
 };
 
@@ -478,7 +482,7 @@ inline std::vector<at::Tensor> pack_state(const Inputs& in, const State& st, con
   return {st.exact, st.nvalid, st.nystrom && !in.mask.defined() ? none(at::kFloat) : st.keys, st.vals,
           i32(st.cumsum), i32(st.n_real), i32(st.pos),
           f32(st.q_land), f32(st.k_land), f32(st.counts), f32(st.w0), f32(st.k2), f32(st.z), f32(st.ns.a),
-          f32(st.ns.s), f32(st.ns.zs_all), f32(lse3)};
+          f32(st.ns.s), f32(st.ns.zs_all), f32(lse3), st.lse1};
 }
 
 // `st`, `lse3` and the kernels' pointers in in.p from pack_state's tensors (the backward's alternative to
@@ -497,6 +501,11 @@ inline void unpack_state(const char* op, Inputs& in, State& st, at::Tensor& lse3
   st.exact = saved[kExact];
   st.nvalid = saved[kNvalid];
   st.vals = vals;
+  st.lse1 = saved[kLse1];
+  TORCH_CHECK(st.lse1.sizes() == at::IntArrayRef({in.batch, in.hq, in.n}) && st.lse1.scalar_type() == at::kFloat &&
+                  st.lse1.is_contiguous(),
+              op, ": state does not belong to these inputs (row log-sum-exp ", st.lse1.sizes(), ", expected [",
+              in.batch, ", ", in.hq, ", ", in.n, "] fp32)");
   if (in.mask.defined()) {
     st.cumsum = saved[kCumsum];
     st.n_real = saved[kNReal];

@@ -58,7 +58,12 @@ struct Params {
   const float* conv;          // (Hq, ks) fp32 contiguous; nullptr = no conv residual
   int ks;
   void* out;                  // (B, Hq, N, D) contiguous, q.dtype
+  float* out_lse;             // (B Hq, N): the output kernels write row_lse of each row (the backward's lse1); or null
 };
+
+// The base-2 log-sum-exp of a row's buffer scores from its running max m and sum Σ 2^(s - m); +inf for a row with no
+// valid slot (sum 0), whose probabilities are then all 0.
+__device__ __forceinline__ float row_lse(float m, float sum) { return sum > 0.f ? m + __log2f(sum) : inf(); }
 
 // pos[b, cumsum[b, j] - 1] = j for every real token j. Grid: ceil(B N / 256). Static: this header is
 // included by two .cu files.
@@ -345,6 +350,7 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_out_fwd_kernel(const Para
     unsigned* dst = reinterpret_cast<unsigned*>(static_cast<T*>(p.out) + (bh * p.n + row) * D);
 #pragma unroll
     for (int c = 0; c < TD; ++c) dst[tx + 16 * c] = Pair<T>::from_float2(r[c]);
+    if (p.out_lse != nullptr && tx == 0) p.out_lse[bh * p.n + row] = row_lse(m[i], sum);
   }
 }
 

@@ -209,24 +209,55 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_stats_tc_bwd_kernel(const
       }
       dot = mma::quad_sum(dot);
       if (row < p.n && t == 0) {
-        bp.lse1[bh * p.n + row] = sum > 0.f ? m[r] + __log2f(sum) : inf();
+        bp.lse1[bh * p.n + row] = row_lse(m[r], sum);
         bp.delta1[bh * p.n + row] = sum > 0.f ? dot / sum : 0.f;
       }
     }
   });
 }
 
+// delta[j][k] = Σ over the block's slot rows of p ∘ dp at query column 8 j + 2 t + k (C layout: slot rows of this
+// warp, query columns): the sum over this warp's rows by shuffles, then over the W warps through parts [W][NQ] in
+// warp order (one barrier; the caller's next barrier protects parts from the next tile's writes).
+template <int W, int NQ>
+__device__ __forceinline__ void sum_slots(float (&delta)[NQ / 8][2], const float (&p)[NQ / 8][4],
+                                          const float (&dp)[NQ / 8][4], float* parts, int warp, int lane) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j)
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      float x = fmaf(p[j][k], dp[j][k], p[j][k + 2] * dp[j][k + 2]);  // rows g, g + 8
+      x += __shfl_xor_sync(0xffffffffu, x, 4);
+      x += __shfl_xor_sync(0xffffffffu, x, 8);
+      x += __shfl_xor_sync(0xffffffffu, x, 16);
+      if (g == 0) parts[warp * NQ + 8 * j + 2 * t + k] = x;
+    }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < NQ / 8; ++j)
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      float x = 0.f;
+#pragma unroll
+      for (int w = 0; w < W; ++w) x += parts[w * NQ + 8 * j + 2 * t + k];
+      delta[j][k] = x;
+    }
+}
+
 // Dynamic shared memory: keys hi, lo and vals hi, lo [16 W][D + 8] T (the block's slots); 2 buffers x (q, dO)
-// [kQueries][D + 8] T; 2 buffers x (lse1, Δ1) [kQueries] fp32. 32 queries per tile at D 128 (registers: the two
-// D-wide accumulators take 128).
+// [kQueries][D + 8] T; 2 buffers x (lse1, Δ1) [kQueries] fp32; [W][kQueries] fp32 (each warp's part of Δ1, DELTA).
+// 32 queries per tile at D 128 (registers: the two D-wide accumulators take 128).
 template <int D, int W> struct K1Smem {
   static constexpr int kQueries = D == 128 ? 32 : 64;
   static constexpr int kRow = D + 8, kSlotTile = 16 * W * kRow, kQueryTile = kQueries * kRow;
-  static constexpr int bytes = 4 * kSlotTile * 2 + 4 * kQueryTile * 2 + 4 * kQueries * 4;
+  static constexpr int bytes = 4 * kSlotTile * 2 + 4 * kQueryTile * 2 + (4 + W) * kQueries * 4;
 };
 
-// Grid (splits, ceil(slots / 16 W), B Hq), 32 W threads. Queries [split * a_chunk, min(+a_chunk, N)).
-template <typename T, int D, int W>
+// Grid (splits, ceil(slots / 16 W), B Hq), 32 W threads. Queries [split * a_chunk, min(+a_chunk, N)). DELTA (one slot
+// tile: slots <= 16 W): Δ1 = Σ_slots K1 ∘ dP per query is summed here, from this tile's own K1 and dP, and written to
+// bp.delta1 (the row-statistics kernel then only owes lse1, which the forward saves); else read from bp.delta1.
+template <typename T, int D, int W, bool DELTA>
 __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
     nystrom_k1_tc_bwd_kernel(const BwdParams bp) {
   using S = K1Smem<D, W>;
@@ -239,6 +270,7 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
   uint16_t* vlo = vhi + kTile;
   uint16_t* qdo = vlo + kTile;                                 // [buffer][q, dO][kQueries][D + 8]
   float* stats = reinterpret_cast<float*>(qdo + 4 * kQTile);   // [buffer][lse1, Δ1][kQueries]
+  float* parts = stats + 4 * kQueries;                          // DELTA: [warp][kQueries]
   const Params& p = bp.p;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int split = blockIdx.x, s0 = blockIdx.y * kSlotsW, bh = blockIdx.z;
@@ -258,7 +290,7 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
     for (int c = threadIdx.x; c < kQueries; c += kThreadsW) {
       const bool in = q0 + c < qend;
       st[c] = in ? bp.lse1[(long long)bh * p.n + q0 + c] : 0.f;
-      st[kQueries + c] = in ? bp.delta1[(long long)bh * p.n + q0 + c] : 0.f;
+      if (!DELTA) st[kQueries + c] = in ? bp.delta1[(long long)bh * p.n + q0 + c] : 0.f;
     }
   };
   if (qbeg < qend) load(qbeg, 0);
@@ -280,11 +312,16 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
     mma::cp_async_wait_all();
     __syncthreads();  // this tile (and, at the first, the slots) is in; every warp is done with the other buffer
     if (q0 + kQueries < qend) load(q0 + kQueries, buf ^ 1);
-    if (!active) continue;
+    if (!active) {
+      if (DELTA) {  // this warp's part of Δ1 is 0; the others wait for it
+        for (int c = lane; c < kQueries; c += 32) parts[warp * kQueries + c] = 0.f;
+        __syncthreads();
+      }
+      continue;
+    }
     const uint16_t* qt = qdo + 2 * buf * kQTile;
     const uint16_t* dt = qt + kQTile;
     const float* lse = stats + 2 * buf * kQueries;
-    const float* delta = lse + kQueries;
 
     float s[kQueries / 8][4], dp[kQueries / 8][4];  // Sᵀ = keys q_sᵀ, dPᵀ = vals dOᵀ (slots x queries)
     const uint16_t* const halves[4] = {khi, klo, vhi, vlo};
@@ -295,10 +332,23 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
       for (int e = 0; e < 4; ++e) {  // slot row 16 warp + g + 8 (e / 2), query column 8 j + 2 t + e % 2
         const int c = 8 * j + 2 * t + (e & 1);
         const bool ok = slot_ok[e >> 1] && q0 + c < qend;
-        const float pr = ok ? exp2f(fmaf(s[j][e], scale_log2, -lse[c])) : 0.f;
-        s[j][e] = pr;
-        dp[j][e] = pr * (dp[j][e] - delta[c]);
+        s[j][e] = ok ? exp2f(fmaf(s[j][e], scale_log2, -lse[c])) : 0.f;
       }
+    float delta[kQueries / 8][2];  // DELTA: Δ1 of query columns 8 j + 2 t + k
+    if (DELTA) {
+      sum_slots<W, kQueries>(delta, s, dp, parts, warp, lane);
+      if (warp == 0 && g == 0)
+#pragma unroll
+        for (int j = 0; j < kQueries / 8; ++j)
+#pragma unroll
+          for (int k = 0; k < 2; ++k)
+            if (q0 + 8 * j + 2 * t + k < qend) bp.delta1[(long long)bh * p.n + q0 + 8 * j + 2 * t + k] = delta[j][k];
+    }
+#pragma unroll
+    for (int j = 0; j < kQueries / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dp[j][e] = s[j][e] * (dp[j][e] - (DELTA ? delta[j][e & 1] : lse[kQueries + 8 * j + 2 * t + (e & 1)]));
     halves_product<T, D, kQueries / 8, false>(dvals, s, dt, nullptr, kQueries, lane);  // K1ᵀ dO
     scale_rows<kQueries / 8, D>(dp, dkeys, dkeys_exps);  // dS1 scales with dO: fp16's subnormals for a tiny dO
     halves_product<T, D, kQueries / 8, false>(dkeys, dp, qt, nullptr, kQueries, lane);  // dS1ᵀ q

@@ -176,10 +176,11 @@ __device__ __forceinline__ void chunk_softmax(float (&s)[kChunk / 8][4], float (
     }
 }
 
-// Rows row0 and row0 + 8 of the output (lane's columns 8 dn + 2t, + 1): o / Σp plus the conv residual, in T.
+// Rows row0 and row0 + 8 of the output (lane's columns 8 dn + 2t, + 1): o / Σp plus the conv residual, in T; and,
+// where p.out_lse is set, their row_lse.
 template <typename T, int D>
-__device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D / 8][4], const float (&l)[2], int row0,
-                                           int b, int h, const T* v, int lane) {
+__device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D / 8][4], const float (&m)[2],
+                                           const float (&l)[2], int row0, int b, int h, const T* v, int lane) {
   const int t = lane % 4, half = p.ks / 2;
   const long long bh = (long long)b * p.hq + h;
 #pragma unroll
@@ -208,6 +209,7 @@ __device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D /
     unsigned* dst = reinterpret_cast<unsigned*>(static_cast<T*>(p.out) + (bh * p.n + row) * D);
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn) dst[4 * dn + t] = Pair<T>::from_float2(res[dn]);
+    if (p.out_lse != nullptr && t == 0) p.out_lse[bh * p.n + row] = row_lse(m[r], sum);
   }
 }
 
@@ -273,8 +275,8 @@ template <typename T, int D, int STAGES>
 __global__ void __launch_bounds__(kThreads, 2) nystrom_out_tc_fwd_kernel(const Params p) {
   const int h = blockIdx.y, b = blockIdx.z;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + (h / p.groups) * p.sv.h;
-  attend_tiles<T, D, STAGES>(p, [&](const float (&o)[D / 8][4], const float (&)[2], const float (&l)[2], int row0) {
-    store_rows<T, D>(p, o, l, row0, b, h, v, threadIdx.x % 32);
+  attend_tiles<T, D, STAGES>(p, [&](const float (&o)[D / 8][4], const float (&m)[2], const float (&l)[2], int row0) {
+    store_rows<T, D>(p, o, m, l, row0, b, h, v, threadIdx.x % 32);
   });
 }
 

@@ -31,13 +31,13 @@ def make_conv(hq, ks, dtype, seed=0):
     return (torch.randn(hq, ks, device=DEV, generator=g) * 0.3).to(dtype)
 
 
-def run_kernel(q, k, v, dout, *, m, iters, kappa, conv, mask, scale):
+def run_kernel(q, k, v, dout, *, m, iters, kappa, conv, mask, scale, recompute=False):
     """out from hfab::nystrom_fwd and (dq, dk, dv, dconv) from hfab::nystrom_bwd given the forward's state (as
-    autograd runs them), into poisoned memory."""
+    autograd runs them; `recompute`: none, the backward recomputes it), into poisoned memory."""
     poison(q)
     out, state = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, m, iters, kappa, scale)
     poison(q, k, v)
-    grads = torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, m, iters, kappa, scale, state)
+    grads = torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, m, iters, kappa, scale, [] if recompute else state)
     return out, grads
 
 
@@ -51,13 +51,13 @@ def reference_run(q, k, v, conv, dout, **hyper):
     return out.detach(), grads
 
 
-def check(q, k, v, *, m, iters=6, kappa=0.0, conv=None, mask=None, scale=None, seed=1):
+def check(q, k, v, *, m, iters=6, kappa=0.0, conv=None, mask=None, scale=None, seed=1, recompute=False):
     """Kernel vs the float64 reference, with the reference in the kernel's dtype as the baseline."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     hyper = dict(m=m, iters=iters, kappa=kappa, mask=mask, scale=scale)
     g = torch.Generator(device=DEV).manual_seed(seed)
     dout = torch.randn(q.shape, device=DEV, generator=g).to(q.dtype)
-    out, grads = run_kernel(q, k, v, dout, conv=conv, **hyper)
+    out, grads = run_kernel(q, k, v, dout, conv=conv, recompute=recompute, **hyper)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     conv64 = None if conv is None else conv.double()
     out64, grads64 = reference_run(q.double(), k.double(), v.double(), conv64, dout.double(), **hyper)
@@ -249,16 +249,18 @@ def test_autocast_region_changes_nothing():
 
 
 def test_backward_gqa_groups_of_four_deterministic():
-    """dk/dv sum the group's four q heads inside one block; the split partials merge in a fixed order. The second
-    backward recomputes the forward's state (state []): the same bits as the first, which read the saved state."""
+    """dk/dv sum the group's four q heads inside one block; the split partials merge in a fixed order: a second
+    forward and backward give the same bits. Without the forward's state (state []) the backward recomputes it and
+    takes K1's row statistics from their own kernel, not from the forward (lse1) and k1 (Δ1): it matches the oracle
+    too."""
     q, k, v = make_inputs(2, 8, 2, 1500, 1500, 32, seed=8)
     mask = make_padding(2, 1500, min_real=700, seed=8).to(DEV)
     conv = make_conv(8, 3, q.dtype)
     _, first = check(q, k, v, m=16, conv=conv, mask=mask)
-    dout = torch.randn(q.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)).to(q.dtype)
-    second = torch.ops.hfab.nystrom_bwd(dout, q, k, v, conv, mask, 16, 6, 0.0, 32 ** -0.5, [])
+    _, second = check(q, k, v, m=16, conv=conv, mask=mask)
     for got, want in zip(second, first):
         assert torch.equal(got, want)
+    check(q, k, v, m=16, conv=conv, mask=mask, recompute=True)
 
 
 def test_backward_memory_is_linear_in_n():
@@ -434,16 +436,20 @@ def test_late_key_pass_only_for_small_dk(n, d, late):
 
 
 def test_backward_with_the_saved_state_recomputes_nothing():
-    """Given the forward's state, the backward launches no landmark, K3 or Newton–Schulz forward kernel; a state of
-    the wrong length is refused with a clear error."""
+    """Given the forward's state, the backward launches no landmark, K3 or Newton–Schulz forward kernel, and where the
+    buffer fits one k1 slot tile (m <= 64) no row-statistics kernel either (the saved lse1, Δ1 summed in k1); without
+    the state it does; a state of the wrong length is refused with a clear error."""
     q, k, v = make_inputs(2, 4, 2, 300, 300, 64)
     mask = make_padding(2, 300, min_real=100, seed=4).to(DEV)
     out, state = torch.ops.hfab.nystrom_fwd(q, k, v, None, mask, 16, 6, 0.0, 0.125)
     dout = torch.randn_like(out)
     kernels = cuda_kernels_of(lambda: torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, mask, 16, 6, 0.0, 0.125, state))
     assert any("nystrom_kv" in name for name in kernels)
-    assert not [name for name in kernels if any(s in name for s in ("landmark", "inverse_fwd", "k3_fwd", "k3_tc_fwd"))]
-    with pytest.raises(RuntimeError, match="state holds 2 tensors; expected 17"):
+    assert not [name for name in kernels
+                if any(s in name for s in ("landmark", "inverse_fwd", "k3_fwd", "k3_tc_fwd", "nystrom_stats"))]
+    kernels = cuda_kernels_of(lambda: torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, mask, 16, 6, 0.0, 0.125, []))
+    assert any("nystrom_stats" in name for name in kernels)
+    with pytest.raises(RuntimeError, match="state holds 2 tensors; expected 18"):
         torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, mask, 16, 6, 0.0, 0.125, state[:2])
     with pytest.raises(RuntimeError, match="state does not belong to these inputs"):
         torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, mask, 32, 6, 0.0, 0.125, state)

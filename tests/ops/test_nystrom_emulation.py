@@ -202,22 +202,33 @@ def k1_oracle(q, dout, keys, vals, nvalid, lse1, delta1, a_chunk, precision):
     return torch.stack(dkeys), torch.stack(dvals)
 
 
-@pytest.mark.parametrize("d, dtype, slots, nvalid, a_chunk, dout_scale", [
-    (64, torch.float16, 32, [32, 32], 128, 1.0),     # two-warp blocks; two query splits, the second partial
-    (128, torch.bfloat16, 70, [70, 41], 64, 1.0),    # four warps: two slot tiles (64 + 6), fewer valid rows in batch 1
-    (32, torch.float16, 16, [9, 0], 256, 1.0),       # one split; a batch without valid rows; an idle warp
-    (64, torch.float16, 32, [32, 20], 128, 1e-4),    # tiny dO: dS1 among fp16's subnormals unless rows are scaled
+@pytest.mark.parametrize("d, dtype, slots, nvalid, a_chunk, dout_scale, delta", [
+    (64, torch.float16, 32, [32, 32], 128, 1.0, False),     # two-warp blocks; two query splits, the second partial
+    (128, torch.bfloat16, 70, [70, 41], 64, 1.0, False),    # four warps: two slot tiles (64 + 6), fewer valid rows
+    (32, torch.float16, 16, [9, 0], 256, 1.0, False),       # one split; a batch without valid rows; an idle warp
+    (64, torch.float16, 32, [32, 20], 128, 1e-4, False),    # tiny dO: dS1 among fp16's subnormals unless rows scaled
+    (64, torch.float16, 32, [32, 20], 128, 1.0, True),      # Δ1 summed over the two warps' slots
+    (32, torch.float16, 16, [9, 0], 256, 1.0, True),        # the same with an idle warp; a batch without valid rows
+    (128, torch.bfloat16, 48, [48, 30], 64, 1.0, True),     # four warps, the last idle in batch 1; four splits
 ])
-def test_buffer_gradient_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, a_chunk, dout_scale):
+def test_buffer_gradient_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, a_chunk, dout_scale, delta):
+    """With `delta` the kernel sums Δ1 itself (one slot tile) and writes it for every query row of a sequence with
+    valid slots, else it reads the given one."""
     b, hq, n = 2, 2, 200
     q, dout, keys, vals, nv, lse1, delta1 = buffer_inputs(b, hq, n, slots, nvalid, d, dtype, dout_scale, seed=d)
+    given = nan_like(delta1) if delta else delta1
     splits = -(-n // a_chunk)
     part_dkeys = nan_like(keys, (splits, b * hq, slots, d), torch.float32)
     part_dvals = nan_like(keys, (splits, b * hq, slots, d), torch.float32)
     rc = emulator.nystrom_k1_bwd(int(dtype == torch.bfloat16), d, b, hq, n, slots, ctypes.c_float(d ** -0.25), a_chunk,
-                                 ptr(q), ptr(dout), ptr(keys), ptr(vals), ptr(nv), ptr(lse1), ptr(delta1),
+                                 int(delta), ptr(q), ptr(dout), ptr(keys), ptr(vals), ptr(nv), ptr(lse1), ptr(given),
                                  ptr(part_dkeys), ptr(part_dvals))
     check_rc(rc, "nystrom_k1_bwd")
+    if delta:
+        rows = (nv > 0).repeat_interleave(hq)  # (B Hq,): sequences with valid slots; the others' rows stay unwritten
+        want_delta = stats_oracle(q, dout, keys, vals, nv, torch.float64)[1]
+        assert torch.isnan(given[~rows]).all()
+        assert_close_to_oracle(given[rows], want_delta[rows], rtol=SPLIT_RTOL[dtype], name="delta1")
     want = k1_oracle(q, dout, keys, vals, nv, lse1, delta1, a_chunk, torch.float64)
     for name, got, w in zip(("d keys", "d vals"), (part_dkeys, part_dvals), want):
         assert_close_to_oracle(got, w, rtol=SPLIT_RTOL[dtype], name=name)
@@ -402,20 +413,25 @@ QUERY_TILE_CASES = [
 @pytest.mark.parametrize("d, dtype, slots, nvalid, blocks_per_head, stages, conv_ks, padded", QUERY_TILE_CASES)
 def test_output_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, blocks_per_head, stages, conv_ks,
                                           padded):
+    """The output and, as the forward saves them for the backward, the rows' base-2 log-sum-exp (lse1)."""
     b, hq, hkv, n = 2, 2, 1, 200
     q, _, keys, vals, nv, _, _ = buffer_inputs(b, hq, n, slots, nvalid, d, dtype, 1.0, seed=d + slots)
     _, _, v = cpu_inputs(b, hkv, hkv, n, n, d, dtype=dtype, seed=d)
     conv = None if conv_ks is None else torch.randn(hq, conv_ks, generator=torch.Generator().manual_seed(d)) * 0.3
     mask = make_padding(b, n, min_real=n // 2, seed=d) if padded else None
     mask_u8 = None if mask is None else mask.to(torch.uint8)
-    out = nan_like(q)
+    out, lse = nan_like(q), nan_like(q, (b * hq, n), torch.float32)
     rc = emulator.nystrom_out_fwd(int(dtype == torch.bfloat16), d, b, hq, hkv, n, slots, ctypes.c_float(d ** -0.25),
                                   blocks_per_head, stages, ptr(q), ptr(v), ptr(keys), ptr(vals), ptr(nv), ptr(conv),
-                                  0 if conv is None else conv_ks, ptr(mask_u8), ptr(out))
+                                  0 if conv is None else conv_ks, ptr(mask_u8), ptr(out), ptr(lse))
     check_rc(rc, "nystrom_out_fwd")
     args = (q, v, keys, vals, nv, conv, mask)
     assert_close_to_oracle(out, out_oracle(*args, torch.float64), baseline=out_oracle(*args, torch.float32).to(dtype),
                            factor=FACTOR, floor=FLOOR, name="out")
+    want_lse = stats_oracle(q, q, keys, vals, nv, torch.float64)[0]  # the backward's lse1 (dO unused)
+    none = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(lse), none) and (lse[none] > 0).all()
+    assert_close_to_oracle(lse[~none], want_lse[~none], rtol=SPLIT_RTOL[dtype], name="lse")
 
 
 @pytest.mark.parametrize("d, dtype, slots, nvalid, blocks_per_head, stages", [c[:6] for c in QUERY_TILE_CASES])

@@ -19,7 +19,8 @@ def _nystrom_fwd(q: Tensor, k: Tensor, v: Tensor, conv_weight: Optional[Tensor],
                  num_landmarks: int, newton_iter: int, kappa_star: float,
                  scale: float) -> tuple[Tensor, list[Tensor]]:
     """(out, state): the CUDA kernel's state is what its backward would otherwise recompute (landmarks, K3's
-    log-sum-exp, the Newton–Schulz iterates, ...: ``_state_like``); the reference keeps none."""
+    log-sum-exp, the Newton–Schulz iterates, the output rows' log-sum-exp, ...: ``_state_like``); the reference keeps
+    none."""
     out = reference.nystrom_forward(q, k, v, conv_weight, key_padding_mask, num_landmarks, newton_iter, kappa_star,
                                     scale).contiguous()
     return out, []
@@ -64,7 +65,7 @@ def _state_like(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], num_la
             f32(b, hq, m, d, present=landmarks), f32(b, hq, m, m, present=landmarks),
             f32(b, hq, m, m, present=landmarks), f32(b, hq, m, m, present=landmarks),
             f32(b, hq, 1, 1, present=landmarks), f32(b, hq, newton_iter + 1, m, m, present=landmarks),
-            f32(b, hq, m, present=landmarks)]
+            f32(b, hq, m, present=landmarks), f32(b, hq, n)]
 
 
 @nystrom_fwd.register_fake

@@ -39,12 +39,13 @@ bool with_row_warps(long long rows, F f) {
   return tc::row_warps(rows) == 2 ? f.template operator()<2>() : f.template operator()<4>();
 }
 
-template <typename T, int D>
+template <typename T, int D, bool DELTA>
 bool buffer_gradients(const BwdParams& bp, int b) {
   return with_row_warps(bp.p.slots, [&]<int W>() {
     static_assert(tc::K1Smem<D, W>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
+    if (DELTA && bp.p.slots > 16 * W) return false;  // Δ1 from one slot tile only, as the host launches it
     const dim3 grid(emu::blocks(bp.p.n, bp.a_chunk), emu::blocks(bp.p.slots, 16 * W), b * bp.p.hq);
-    return emu::launch(grid, 32 * W, [&] { tc::nystrom_k1_tc_bwd_kernel<T, D, W>(bp); });
+    return emu::launch(grid, 32 * W, [&] { tc::nystrom_k1_tc_bwd_kernel<T, D, W, DELTA>(bp); });
   });
 }
 
@@ -146,15 +147,18 @@ extern "C" int nystrom_k3_bwd(int bf16, int d, int b, int hq, int hkv, int n, in
   });
 }
 
-// part_dkeys, part_dvals: (ceil(N / a_chunk), B Hq, slots, D) fp32.
-extern "C" int nystrom_k1_bwd(int bf16, int d, int b, int hq, int n, int slots, float root, int a_chunk, const void* q,
-                              const void* dout, const float* keys, const float* vals, const int* nvalid,
-                              const float* lse1, const float* delta1, float* part_dkeys, float* part_dvals) {
+// part_dkeys, part_dvals: (ceil(N / a_chunk), B Hq, slots, D) fp32. With `delta` (slots <= 64) the kernel sums Δ1
+// itself and writes it to delta1, else reads it there.
+extern "C" int nystrom_k1_bwd(int bf16, int d, int b, int hq, int n, int slots, float root, int a_chunk, int delta,
+                              const void* q, const void* dout, const float* keys, const float* vals, const int* nvalid,
+                              const float* lse1, float* delta1, float* part_dkeys, float* part_dvals) {
   BwdParams bp = query_side(d, hq, n, slots, root, q, dout, keys, vals, nvalid, lse1, delta1);
   bp.a_chunk = a_chunk;
   bp.part_dkeys = part_dkeys;
   bp.part_dvals = part_dvals;
-  return emu::dispatch(bf16, d, [&]<typename T, int D>() { return buffer_gradients<T, D>(bp, b); });
+  return emu::dispatch(bf16, d, [&]<typename T, int D>() {
+    return delta ? buffer_gradients<T, D, true>(bp, b) : buffer_gradients<T, D, false>(bp, b);
+  });
 }
 
 // dq (B, Hq, N, D); dql (B, Hq, m, D) and counts (B, m) for landmark sequences (n > m and not exact[b]).
@@ -214,11 +218,12 @@ extern "C" int nystrom_kv_bwd(int bf16, int d, int b, int hq, int hkv, int n, in
 }
 
 // The output (B, Hq, N, D) 16-bit: softmax attention of q over the buffers plus the conv residual of v (conv (Hq, ks)
-// fp32, or null; v (B, Hkv, N, D)); mask (B, N) bytes or null.
+// fp32, or null; v (B, Hkv, N, D)); mask (B, N) bytes or null; out_lse (B Hq, N) fp32: each row's base-2
+// log-sum-exp, as the forward saves it for the backward.
 extern "C" int nystrom_out_fwd(int bf16, int d, int b, int hq, int hkv, int n, int slots, float root,
                                int blocks_per_head, int stages, const void* q, const void* v, const float* keys,
                                const float* vals, const int* nvalid, const float* conv, int ks,
-                               const unsigned char* mask, void* out) {
+                               const unsigned char* mask, void* out, float* out_lse) {
   Params p = query_side(d, hq, n, slots, root, q, nullptr, keys, vals, nvalid, nullptr, nullptr).p;
   p.v = v;
   p.sv = emu::contiguous(hkv, n, d);
@@ -229,6 +234,7 @@ extern "C" int nystrom_out_fwd(int bf16, int d, int b, int hq, int hkv, int n, i
   p.mask = mask;
   p.mask_stride = n;
   p.out = out;
+  p.out_lse = out_lse;
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
     return with_stages(stages, [&]<int STAGES>() {
       return query_tiles(tc::OutSmem<D>::bytes(slots, STAGES), b, hq, blocks_per_head,
