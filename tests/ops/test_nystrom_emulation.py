@@ -1,12 +1,13 @@
-"""Seven Nyström kernels on the CPU (csrc/nystrom/nystrom_tc_kernels.cuh and nystrom_tc_bwd_kernels.cuh compiled by g++
-with tests/ops/emulation, each launched as csrc/nystrom/nystrom_fwd.cu / nystrom_bwd.cu launch it) on given inputs,
-against float64 oracles of what they compute: K3's forward and backward, the output, and the backward's row
-statistics, buffer gradients (k1), dq and dk/dv. The output is softmax(q keysᵀ √scale) vals over the valid buffer
-slots plus the conv residual of v; the row statistics lse1 (base 2) and Δ1 = dO · that attention. With P[i, c] =
-2^(q[i] · keys[c] · √scale · log2(e) - lse1[i]) over the valid buffer slots c and dS1[i, c] = P[i, c] (dO[i] · vals[c]
-- Δ1[i]), the buffer gradients of k1 (per query split) are d vals[c] = Σ_i P[i, c] dO[i] and d keys[c] = √scale Σ_i
-dS1[i, c] q[i], and dq[i] = √scale (Σ_c dS1[i, c] keys[c] + d Q̃[l(i)] / |segment l(i)|) (the landmark term for real
-tokens of landmark sequences). The dk/dv kernel: for every real key j of kv head g and each q head h of g's group,
+"""Eight Nyström kernels on the CPU (csrc/nystrom/nystrom_kernels.cuh, nystrom_tc_kernels.cuh and
+nystrom_tc_bwd_kernels.cuh compiled by g++ with tests/ops/emulation, each launched as csrc/nystrom/nystrom_fwd.cu /
+nystrom_bwd.cu launch it) on given inputs, against float64 oracles of what they compute: the landmark means, K3's
+forward and backward, the output, and the backward's row statistics, buffer gradients (k1), dq and dk/dv. The output
+is softmax(q keysᵀ √scale) vals over the valid buffer slots plus the conv residual of v; the row statistics lse1 (base
+2) and Δ1 = dO · that attention. With P[i, c] = 2^(q[i] · keys[c] · √scale · log2(e) - lse1[i]) over the valid buffer
+slots c and dS1[i, c] = P[i, c] (dO[i] · vals[c] - Δ1[i]), the buffer gradients of k1 (per query split) are d vals[c]
+= Σ_i P[i, c] dO[i] and d keys[c] = √scale Σ_i dS1[i, c] q[i], and dq[i] = √scale (Σ_c dS1[i, c] keys[c] + d Q̃[l(i)]
+/ |segment l(i)|) (the landmark term for real tokens of landmark sequences). The dk/dv kernel: for every real key j of
+kv head g and each q head h of g's group,
 
     K3[l, j] = 2^(Q̃[h, l] · k[j] · √scale · log2(e) - lse3[h, l]),   dS3[l, j] = K3[l, j] (dW0[h, l] · v[j] - rowdot[h, l])
     dv[j] = Σ_h Σ_l K3[l, j] dW0[h, l],   dk[j] = √scale (Σ_h Σ_l dS3[l, j] Q̃[h, l] + d K̃[g, l(j)] / |segment l(j)|)
@@ -450,3 +451,54 @@ def test_row_statistics_kernel_against_the_oracle(emulator, d, dtype, slots, nva
     assert_close_to_oracle(lse1[~none], want_lse[~none], rtol=SPLIT_RTOL[dtype], name="lse1")
     assert_close_to_oracle(delta1, want_delta, rtol=SPLIT_RTOL[dtype], name="delta1")
 
+
+
+def landmark_oracle(x, real, m, root):
+    """(B, H, m, D) float64: the means of each sequence's real rows in m segments (the last takes the remainder) times
+    √scale, and the rows per segment (B, m)."""
+    b, h, _, d = x.shape
+    counts = segment_counts(real.sum(1), m)
+    means = torch.zeros(b, h, m, d, dtype=torch.float64)
+    for bi in range(b):
+        rows = x[bi][:, real[bi]].double()
+        start = 0
+        for l in range(m):
+            c = int(counts[bi, l])
+            if c:
+                means[bi, :, l] = rows[:, start:start + c].mean(1) * root
+            start += c
+    return means, counts
+
+
+@pytest.mark.parametrize("d, dtype, n, m, threads, padded", [
+    (64, torch.float16, 300, 3, 1024, False),    # blocks of 1,024 threads: 128 row slots, the last segment longer
+    (128, torch.bfloat16, 333, 2, 1024, True),   # the same at D 128 (64 row slots) over the real rows only
+    (32, torch.float16, 200, 1, 256, True),      # blocks of 256 threads, 64 row slots: one segment of ~150 rows
+])
+def test_landmark_kernel_against_the_oracle(emulator, d, dtype, n, m, threads, padded):
+    b, hq, hkv = 2, 2, 1
+    q, k, _ = cpu_inputs(b, hq, hkv, n, n, d, dtype=dtype, seed=d + m)
+    mask = make_padding(b, n, min_real=n // 2, seed=d) if padded else None
+    real = mask if mask is not None else torch.ones(b, n, dtype=torch.bool)
+    if mask is not None:
+        n_real = real.sum(1).int()
+        pos = torch.zeros(b, n, dtype=torch.int32)
+        for bi in range(b):
+            idx = real[bi].nonzero().flatten().int()
+            pos[bi, :len(idx)] = idx
+    else:
+        n_real = pos = None
+    root = d ** -0.25
+    q_land, k_land = nan_like(q, (b, hq, m, d), torch.float32), nan_like(q, (b, hkv, m, d), torch.float32)
+    counts = nan_like(q, (b, m), torch.float32)
+    rc = emulator.nystrom_landmark_fwd(int(dtype == torch.bfloat16), d, b, hq, hkv, n, m, ctypes.c_float(root), threads,
+                                       ptr(q), ptr(k), ptr(n_real), ptr(pos), ptr(q_land), ptr(k_land), ptr(counts))
+    check_rc(rc, "nystrom_landmark_fwd")
+    for name, got, x in (("q landmarks", q_land, q), ("k landmarks", k_land, k)):
+        want, want_counts = landmark_oracle(x, real, m, root)
+        assert_close_to_oracle(got, want, rtol=LANDMARK_RTOL, name=name)
+    assert torch.equal(counts, want_counts)
+
+
+# of max|oracle|: fp32 sums of up to a few hundred 16-bit rows in a fixed order (~1e-7 relative each)
+LANDMARK_RTOL = 1e-6

@@ -1,13 +1,14 @@
-// Seven Nyström kernels (csrc/nystrom/nystrom_tc_kernels.cuh, nystrom_tc_bwd_kernels.cuh) on the CPU through
-// cuda_on_cpu.h and common/ptx.cuh of this folder, each launched as nystrom_host.cuh / nystrom_bwd.cu launch it: K3's
-// forward and backward (grid (splits, ceil(m / 16 W), B Hq) of `chunk` keys each, W = row_warps(m) warps per block),
-// the dk/dv kernel (grid (splits, Hkv, B) of kv_chunk keys each, the resident instance where KvSmem::fits(groups, m)),
-// the buffer gradients of k1 (grid (splits, ceil(slots / 16 W), B Hq) of a_chunk queries each, W = row_warps(slots))
-// and dq, the output and the row statistics (grid (blocks per head, Hq, B), one or two query-tile stages). The
-// rest of the Nyström backward (its split plans from the GPU's resident blocks, the side stream) stays with the GPU
-// tests; this harness takes each kernel's inputs (buffers, row statistics, landmark-stage arrays) as arrays. A C
-// interface for ctypes (tests/ops/test_nystrom_emulation.py): q, dO contiguous (B, Hq, N, D) and k, v (B, Hkv, N, D)
-// 16-bit; fp32 arrays contiguous; mask (B, N) bytes, cumsum (B, N) and n_real (B,) int32, or all three null.
+// Eight Nyström kernels (csrc/nystrom/nystrom_kernels.cuh, nystrom_tc_kernels.cuh, nystrom_tc_bwd_kernels.cuh) on the
+// CPU through cuda_on_cpu.h and common/ptx.cuh of this folder, each launched as nystrom_host.cuh / nystrom_bwd.cu
+// launch it: K3's forward and backward (grid (splits, ceil(m / 16 W), B Hq) of `chunk` keys each, W = row_warps(m)
+// warps per block), the dk/dv kernel (grid (splits, Hkv, B) of kv_chunk keys each, the resident instance where
+// KvSmem::fits(groups, m)), the buffer gradients of k1 (grid (splits, ceil(slots / 16 W), B Hq) of a_chunk queries
+// each, W = row_warps(slots)) and dq, the output and the row statistics (grid (blocks per head, Hq, B), one or two
+// query-tile stages), and the landmark means (grid (m, Hq + Hkv, B)). The rest of the Nyström backward (its split plans
+// from the GPU's resident blocks, the side stream) stays with the GPU tests; this harness takes each kernel's inputs
+// (buffers, row statistics, landmark-stage arrays) as arrays. A C interface for ctypes
+// (tests/ops/test_nystrom_emulation.py): q, dO contiguous (B, Hq, N, D) and k, v (B, Hkv, N, D) 16-bit; fp32 arrays
+// contiguous; mask (B, N) bytes, cumsum (B, N) and n_real (B,) int32, or all three null.
 #include "harness.h"
 
 namespace hfab {
@@ -253,6 +254,35 @@ extern "C" int nystrom_stats_bwd(int bf16, int d, int b, int hq, int n, int slot
       return query_tiles(tc::OutSmem<D>::bytes(slots, STAGES), b, hq, blocks_per_head,
                          [&] { tc::nystrom_stats_tc_bwd_kernel<T, D, STAGES>(bp); });
     });
+  });
+}
+
+// The landmarks: segment means of the real rows times √scale, Q̃ (B, Hq, m, D) and K̃ (B, Hkv, m, D) fp32, and the
+// rows per segment counts (B, m); blocks of `threads` (256, or 1,024 where segments hold 4,096 rows or more). n_real
+// (B,) and pos (B, N) int32 with a mask, else both null.
+extern "C" int nystrom_landmark_fwd(int bf16, int d, int b, int hq, int hkv, int n, int m, float root, int threads,
+                                    const void* q, const void* k, const int* n_real, const int* pos, float* q_land,
+                                    float* k_land, float* counts) {
+  Params p{};
+  p.q = q;
+  p.k = k;
+  p.sq = emu::contiguous(hq, n, d);
+  p.sk = emu::contiguous(hkv, n, d);
+  p.hq = hq;
+  p.hkv = hkv;
+  p.groups = hq / hkv;
+  p.n = n;
+  p.m = m;
+  p.root = root;
+  p.n_real = n_real;
+  p.pos = pos;
+  p.q_land = q_land;
+  p.k_land = k_land;
+  p.counts = counts;
+  const dim3 grid(m, hq + hkv, b);
+  return emu::dispatch(bf16, d, [&]<typename T, int D>() {
+    if (threads == 1024) return emu::launch(grid, 1024, [&] { nystrom_landmark_fwd_kernel<T, D, 1024>(p); });
+    return emu::launch(grid, kThreads, [&] { nystrom_landmark_fwd_kernel<T, D, kThreads>(p); });
   });
 }
 
