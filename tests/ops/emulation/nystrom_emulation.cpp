@@ -263,20 +263,11 @@ extern "C" int nystrom_stats_bwd(int bf16, int d, int b, int hq, int n, int slot
 extern "C" int nystrom_landmark_fwd(int bf16, int d, int b, int hq, int hkv, int n, int m, float root, int threads,
                                     const void* q, const void* k, const int* n_real, const int* pos, float* q_land,
                                     float* k_land, float* counts) {
-  Params p{};
+  Params p = key_side(d, hq, hkv, n, m, root, k, nullptr, nullptr, q_land);
   p.q = q;
-  p.k = k;
   p.sq = emu::contiguous(hq, n, d);
-  p.sk = emu::contiguous(hkv, n, d);
-  p.hq = hq;
-  p.hkv = hkv;
-  p.groups = hq / hkv;
-  p.n = n;
-  p.m = m;
-  p.root = root;
   p.n_real = n_real;
   p.pos = pos;
-  p.q_land = q_land;
   p.k_land = k_land;
   p.counts = counts;
   const dim3 grid(m, hq + hkv, b);
