@@ -123,10 +123,10 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   };
   TileKernel<BwdParams> k1 = pick_k1.template operator()<true>();
   const bool delta_in_k1 = st.lse1.defined() && k1.tensor_cores && div_up(S, k1.rows) == 1;
-  // lse1: the forward's rows where k1 sums Δ1, else the row-statistics kernel's (the saved state stays as it is); Δ1 0
-  // where no block writes it (a sequence without valid slots: only with a mask), which dq reads and does not use
+  // lse1: the forward's rows where k1 sums Δ1, else the row-statistics kernel's (the saved state stays as it is). Δ1
+  // from k1 misses the rows of sequences without valid slots (only with a mask): 0 there, read by dq and not used
   const at::Tensor lse1 = delta_in_k1 ? st.lse1 : at::empty({bh, N}, f32);
-  const at::Tensor delta1 = in.mask.defined() ? at::zeros({bh, N}, f32) : at::empty({bh, N}, f32);
+  const at::Tensor delta1 = delta_in_k1 && in.mask.defined() ? at::zeros({bh, N}, f32) : at::empty({bh, N}, f32);
   BwdParams bp{};
   bp.p = in.p;
   bp.dout = dout.data_ptr();

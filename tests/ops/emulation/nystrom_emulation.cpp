@@ -34,15 +34,20 @@ bool key_gradients(const BwdParams& bp, int b) {
   return emu::launch(grid, tc::kK3Threads, [&] { tc::nystrom_kv_tc_bwd_kernel<T, D, RESIDENT, LAND>(bp); });
 }
 
-// f.template operator()<W>() with the warps per block that the host picks for `rows` landmark or slot rows.
-template <typename F>
-bool with_row_warps(long long rows, F f) {
-  return tc::row_warps(rows) == 2 ? f.template operator()<2>() : f.template operator()<4>();
+// f.template operator()<V>() for the V among VS that equals v (else the last): a runtime choice (warps per block,
+// query-tile stages) as the kernel's template argument.
+template <int V, int... VS, typename F>
+bool with_value(int v, F f) {
+  if constexpr (sizeof...(VS) == 0) {
+    return f.template operator()<V>();
+  } else {
+    return v == V ? f.template operator()<V>() : with_value<VS...>(v, f);
+  }
 }
 
 template <typename T, int D, bool DELTA>
 bool buffer_gradients(const BwdParams& bp, int b) {
-  return with_row_warps(bp.p.slots, [&]<int W>() {
+  return with_value<2, 4>(tc::row_warps(bp.p.slots), [&]<int W>() {
     static_assert(tc::K1Smem<D, W>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
     if (DELTA && bp.p.slots > 16 * W) return false;  // Δ1 from one slot tile only, as the host launches it
     const dim3 grid(emu::blocks(bp.p.n, bp.a_chunk), emu::blocks(bp.p.slots, 16 * W), b * bp.p.hq);
@@ -50,11 +55,6 @@ bool buffer_gradients(const BwdParams& bp, int b) {
   });
 }
 
-// f.template operator()<STAGES>() for 1 or 2 query-tile stages (the output, row-statistics and dq kernels).
-template <typename F>
-bool with_stages(int stages, F f) {
-  return stages == 2 ? f.template operator()<2>() : f.template operator()<1>();
-}
 
 // A query-tile kernel over grid (blocks per head, Hq, B) where the emulation has its `bytes` of shared memory.
 template <typename Kernel>
@@ -121,7 +121,7 @@ extern "C" int nystrom_k3_fwd(int bf16, int d, int b, int hq, int hkv, int n, in
   p.part_acc = part_acc;
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
     static_assert(tc::K3Smem<D>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
-    return with_row_warps(m, [&]<int W>() {
+    return with_value<2, 4>(tc::row_warps(m), [&]<int W>() {
       return emu::launch(k3_grid(p, b, chunk, 16 * W), 32 * W, [&] { tc::nystrom_k3_tc_fwd_kernel<T, D, W>(p); });
     });
   });
@@ -141,7 +141,7 @@ extern "C" int nystrom_k3_bwd(int bf16, int d, int b, int hq, int hkv, int n, in
   bp.rowdot = rowdot;
   bp.part_dql = part_dql;
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
-    return with_row_warps(m, [&]<int W>() {
+    return with_value<2, 4>(tc::row_warps(m), [&]<int W>() {
       static_assert(tc::K3BwdSmem<D, W>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
       return emu::launch(k3_grid(bp.p, b, chunk, 16 * W), 32 * W, [&] { tc::nystrom_k3_tc_bwd_kernel<T, D, W>(bp); });
     });
@@ -181,7 +181,7 @@ extern "C" int nystrom_dq_bwd(int bf16, int d, int b, int hq, int n, int m, int 
   bp.dql = dql;
   bp.dq = dq;
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
-    return with_stages(stages, [&]<int STAGES>() {
+    return with_value<1, 2>(stages, [&]<int STAGES>() {
       return query_tiles(tc::DqSmem<D>::bytes(slots, STAGES), b, hq, blocks_per_head,
                          [&] { tc::nystrom_dq_tc_bwd_kernel<T, D, STAGES>(bp); });
     });
@@ -237,7 +237,7 @@ extern "C" int nystrom_out_fwd(int bf16, int d, int b, int hq, int hkv, int n, i
   p.out = out;
   p.out_lse = out_lse;
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
-    return with_stages(stages, [&]<int STAGES>() {
+    return with_value<1, 2>(stages, [&]<int STAGES>() {
       return query_tiles(tc::OutSmem<D>::bytes(slots, STAGES), b, hq, blocks_per_head,
                          [&] { tc::nystrom_out_tc_fwd_kernel<T, D, STAGES>(p); });
     });
@@ -250,7 +250,7 @@ extern "C" int nystrom_stats_bwd(int bf16, int d, int b, int hq, int n, int slot
                                  const int* nvalid, float* lse1, float* delta1) {
   const BwdParams bp = query_side(d, hq, n, slots, root, q, dout, keys, vals, nvalid, lse1, delta1);
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
-    return with_stages(stages, [&]<int STAGES>() {
+    return with_value<1, 2>(stages, [&]<int STAGES>() {
       return query_tiles(tc::OutSmem<D>::bytes(slots, STAGES), b, hq, blocks_per_head,
                          [&] { tc::nystrom_stats_tc_bwd_kernel<T, D, STAGES>(bp); });
     });
