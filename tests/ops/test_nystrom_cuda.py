@@ -23,6 +23,7 @@ pytestmark = pytest.mark.cuda
 
 DEV = "cuda"
 FACTOR = 3.0
+STATE_TENSORS = 18  # what the forward saves for the backward (nystrom_host.cuh, State)
 FLOOR = 1e-5  # fp32 residue where the exact value is 0 (e.g. dk of a single real key)
 
 
@@ -229,7 +230,7 @@ def test_deterministic_forward():
     first = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
     second = torch.ops.hfab.nystrom_fwd(q, k, v, conv, mask, 32, 6, 0.0, 0.125)
     assert torch.equal(first[0], second[0])
-    assert len(first[1]) == len(second[1]) == 17
+    assert len(first[1]) == len(second[1]) == STATE_TENSORS
     for a, b in zip(first[1], second[1]):  # the state the backward reads
         assert torch.equal(a, b)
 
@@ -449,7 +450,7 @@ def test_backward_with_the_saved_state_recomputes_nothing():
                 if any(s in name for s in ("landmark", "inverse_fwd", "k3_fwd", "k3_tc_fwd", "nystrom_stats"))]
     kernels = cuda_kernels_of(lambda: torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, mask, 16, 6, 0.0, 0.125, []))
     assert any("nystrom_stats" in name for name in kernels)
-    with pytest.raises(RuntimeError, match="state holds 2 tensors; expected 18"):
+    with pytest.raises(RuntimeError, match=f"state holds 2 tensors; expected {STATE_TENSORS}"):
         torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, mask, 16, 6, 0.0, 0.125, state[:2])
     with pytest.raises(RuntimeError, match="state does not belong to these inputs"):
         torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, mask, 32, 6, 0.0, 0.125, state)
