@@ -93,7 +93,7 @@ at::Tensor conv_weight_grad(const Inputs& in, const at::Tensor& dout) {
 }
 
 // Whether the backward runs the dk/dv kernel beside the Newton–Schulz VJP and then passes over dk once more to add
-// the VJP's part (nystrom_dk_late_bwd_kernel): up to 64 MiB of dk that pass costs about as much as the VJP's lead over
+// the VJP's part (nystrom_segment_add_bwd_kernel): up to 64 MiB of dk that pass costs about as much as the VJP's lead over
 // K3's backward saves (H200, B4 H16 D128 m64: N 2,048 and 4,096 faster); beyond, K3's backward alone hides the VJP.
 bool late_key_pass(const at::Tensor& dk) { return dk.nbytes() <= (int64_t{64} << 20); }
 
@@ -110,23 +110,24 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   at::Tensor dv = at::empty(in.v.sizes(), in.v.options().memory_format(contiguous));
   // the buffer gradients d keys = dS1ᵀ q_s, d vals = K1ᵀ dO (B, Hq, S, D) on tensor cores where the GPU has the
   // shared memory they need (57 / 76 KB at D 64 with two / four warps, 105 at D 128); with the forward's lse1 and one
-  // slot tile per block, k1 sums Δ1 itself, else the row-statistics kernel computes lse1 and Δ1 first
+  // slot tile per block, k1 sums Δ1 itself and writes dq's buffer part (the landmark part added after), else the
+  // row-statistics kernel computes lse1 and Δ1 first and the dq kernel dq last
   const c10::Device device = in.q.device();
-  const auto pick_k1 = [&]<bool DELTA>() {
+  const auto pick_k1 = [&]<bool FUSED>() {
     return row_tiled_or(
         S,
         []<int W>() {
           using Smem = tc::K1Smem<D, W>;
-          return row_tiled<W>(tc::nystrom_k1_tc_bwd_kernel<T, D, W, DELTA>, Smem::bytes, Smem::kQueries);
+          return row_tiled<W>(tc::nystrom_k1_tc_bwd_kernel<T, D, W, FUSED>, Smem::bytes, Smem::kQueries);
         },
         cuda_core<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>, K1Tiles<D>::BL, K1Tiles<D>::BQ), device);
   };
   TileKernel<BwdParams> k1 = pick_k1.template operator()<true>();
-  const bool delta_in_k1 = st.lse1.defined() && k1.tensor_cores && div_up(S, k1.rows) == 1;
+  const bool fused_k1 = st.lse1.defined() && k1.tensor_cores && div_up(S, k1.rows) == 1;
   // lse1: the forward's rows where k1 sums Δ1, else the row-statistics kernel's (the saved state stays as it is). Δ1
-  // from k1 misses the rows of sequences without valid slots (only with a mask): 0 there, read by dq and not used
-  const at::Tensor lse1 = delta_in_k1 ? st.lse1 : at::empty({bh, N}, f32);
-  const at::Tensor delta1 = delta_in_k1 && in.mask.defined() ? at::zeros({bh, N}, f32) : at::empty({bh, N}, f32);
+  // from k1 misses the rows of sequences without valid slots (only with a mask): 0 there, never read
+  const at::Tensor lse1 = fused_k1 ? st.lse1 : at::empty({bh, N}, f32);
+  const at::Tensor delta1 = fused_k1 && in.mask.defined() ? at::zeros({bh, N}, f32) : at::empty({bh, N}, f32);
   BwdParams bp{};
   bp.p = in.p;
   bp.dout = dout.data_ptr();
@@ -138,7 +139,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   bp.dq = dq.data_ptr();
   bp.dk = dk.data_ptr();
   bp.dv = dv.data_ptr();
-  if (!delta_in_k1) {
+  if (!fused_k1) {
     k1 = pick_k1.template operator()<false>();
     if (buffer_attention_on_tensor_cores<D>(in, device)) {
       launch_query_tiles(tc::nystrom_stats_tc_bwd_kernel<T, D, 1>, tc::OutSmem<D>::bytes(in.p.slots),
@@ -162,7 +163,6 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   bp.dkeys_kv = dkeys_kv.data_ptr<float>();
   bp.dvals_kv = dvals_kv.data_ptr<float>();
 
-  const int dq_tc_bytes = tc::DqSmem<D>::bytes(in.p.slots);  // 54 KB at D 64, m 32; 136 KB at D 128, m 64
   const auto launch_key_gradients = [&] {
     // the group's landmarks staged once per block where they fit 64 rows (41 / 74 / 105 KB at D 32 / 64 / 128), else
     // restaged per key tile (41 / 74 / 70 KB)
@@ -187,6 +187,12 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     }
   };
 
+  // rows (B, heads, m, D) spread over their segments and added to dst (B, heads, N, D)
+  const auto add_segments = [&](const at::Tensor& rows, const at::Tensor& dst) {
+    nystrom_segment_add_bwd_kernel<T, D><<<grid_of(div_up(N, segment_add_rows<D>), dst.size(1), B), kThreads, 0,
+                                           stream>>>(bp, rows.data_ptr<float>(), dst.data_ptr());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
   at::Tensor dw0, rowdot, dkl, dkl_late, dql, part_dql;
   if (st.nystrom) {  // landmark sequences: keys = K̃, vals = W = Z W0, W0 = K3 v
     // sequences with n <= m real tokens take no landmark path: possible only with a mask (else n = N > m)
@@ -198,7 +204,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     dw0 = product(tr(st.z), dw).contiguous();
     rowdot = dw0.mul(st.w0).sum(-1).contiguous();  // Σ_j K3[l, j] (dW0 vᵀ)[l, j] = dW0[l] · W0[l]
     // the Newton–Schulz VJP (one block per head: half the SMs at B4 H16) on a side stream, beside K3's gradients and,
-    // where dk is small (late_key_pass), the dk/dv kernel on d K̃'s dS1ᵀ Q̃ part (nystrom_dk_late_bwd_kernel adds the
+    // where dk is small (late_key_pass), the dk/dv kernel on d K̃'s dS1ᵀ Q̃ part (nystrom_segment_add_bwd_kernel adds the
     // VJP's dS2ᵀ Q̃ part to dk after)
     const SideStream side(c10::cuda::getCurrentCUDAStream(device.index()), side_stream_enabled());
     const at::Tensor ds2 = side.handed_over(side.run([&](cudaStream_t ns_stream) {
@@ -231,10 +237,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     const at::Tensor dkl_vjp = product(tr(ds2), st.q_land);
     if (late) {
       dkl_late = ungroup(in, dkl_vjp).contiguous();
-      bp.dkl_late = dkl_late.data_ptr<float>();
-      nystrom_dk_late_bwd_kernel<T, D>
-          <<<grid_of(div_up(N, dk_late_rows<D>), in.hkv, B), kThreads, 0, stream>>>(bp);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      add_segments(dkl_late, dk);
     } else {
       dkl = ungroup(in, landmark_rows(dkeys).add(dkl_vjp)).contiguous();
       bp.dkl = dkl.data_ptr<float>();
@@ -242,15 +245,19 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     }
     dql = product_plus(sum_splits(part_dql), ds2, st.k_land_g).contiguous();
     bp.dql = dql.data_ptr<float>();
+    if (fused_k1) add_segments(dql, dq);
   } else {
     launch_key_gradients();
   }
-  if (on_tensor_cores(dq_tc_bytes, device)) {
-    launch_query_tiles(tc::nystrom_dq_tc_bwd_kernel<T, D, 1>, dq_tc_bytes, tc::nystrom_dq_tc_bwd_kernel<T, D, 2>,
-                       tc::DqSmem<D>::bytes(in.p.slots, 2), bp, in, device, stream);
-  } else {
-    cuda_core<typename DqTiles<D>::Smem>(nystrom_dq_bwd_kernel<T, D>, DqTiles<D>::BQ)
-        .launch(grid_of(div_up(N, DqTiles<D>::BQ), Hq, B), bp, stream);
+  if (!fused_k1) {  // dq from the query tiles, with the landmark part
+    const int dq_tc_bytes = tc::DqSmem<D>::bytes(in.p.slots);  // 54 KB at D 64, m 32; 136 KB at D 128, m 64
+    if (on_tensor_cores(dq_tc_bytes, device)) {
+      launch_query_tiles(tc::nystrom_dq_tc_bwd_kernel<T, D, 1>, dq_tc_bytes, tc::nystrom_dq_tc_bwd_kernel<T, D, 2>,
+                         tc::DqSmem<D>::bytes(in.p.slots, 2), bp, in, device, stream);
+    } else {
+      cuda_core<typename DqTiles<D>::Smem>(nystrom_dq_bwd_kernel<T, D>, DqTiles<D>::BQ)
+          .launch(grid_of(div_up(N, DqTiles<D>::BQ), Hq, B), bp, stream);
+    }
   }
   at::Tensor dconv = in.conv.defined() ? conv_weight_grad(in, dout) : at::empty({0}, in.q.options());
   return {dq, dk, dv, dconv};

@@ -48,8 +48,6 @@ struct BwdParams {
   const float* dvals_kv;        // (B, Hkv, slots, D)
   const float* dkl;             // (B, Hkv, m, D): d K̃ (scaled landmark keys), summed over the group
   int kv_chunk;                 // keys per split of nystrom_kv_tc_bwd_kernel (a multiple of 64)
-  const float* dkl_late;        // (B, Hkv, m, D): the Newton–Schulz path's part of d K̃, which the dk/dv kernel ran
-                                // without (beside that path's VJP): nystrom_dk_late_bwd_kernel adds it to dk
   const float* dql;             // (B, Hq, m, D): d Q̃ (scaled landmark queries)
   void* dq;                     // (B, Hq, N, D) contiguous, q.dtype
   void* dk;                     // (B, Hkv, N, D) contiguous
@@ -77,26 +75,28 @@ __device__ __forceinline__ void add_row(float2& acc, const float* row, int c, fl
   acc.y = fmaf(mul, x.y, acc.y);
 }
 
-// dk[j] += dkl_late[lt] · share · √scale for every real token j of a landmark sequence (landmark lt, its segment's
-// share): the part of d K̃ that the dk/dv kernel ran without. Grid (ceil(N / rows), Hkv, B), 256 threads, each on 8
-// columns of one row (rows = dk_late_rows<D> per block).
+// dst[b, h, j] += rows[b, h, lt] · share · √scale for every real token j of a landmark sequence (landmark lt, its
+// segment's share): a landmark gradient spread over its segment, added to a gradient that its kernel wrote without it
+// (dq from k1: d Q̃; dk beside the Newton–Schulz VJP: that VJP's part of d K̃). rows (B, heads, m, D) fp32, dst (B,
+// heads, N, D) contiguous in T. Grid (ceil(N / segment_add_rows), heads, B), 256 threads, each on 8 columns of a row.
 template <int D>
-constexpr int dk_late_rows = kThreads / (D / 8);
+constexpr int segment_add_rows = kThreads / (D / 8);
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) nystrom_dk_late_bwd_kernel(const BwdParams bp) {
-  constexpr int kLanes = D / 8, kRows = dk_late_rows<D>;
+__global__ void __launch_bounds__(kThreads)
+    nystrom_segment_add_bwd_kernel(const BwdParams bp, const float* rows, void* dst_rows) {
+  constexpr int kLanes = D / 8, kRows = segment_add_rows<D>;
   const Params& p = bp.p;
   const int j = blockIdx.x * kRows + threadIdx.x / kLanes, c = threadIdx.x % kLanes * 8;
-  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int h = blockIdx.y, b = blockIdx.z;
   if (j >= p.n || bp.exact[b]) return;
   const int rank = real_rank(bp, b, j);
   if (rank < 0) return;
   int lt;
   const float mul = segment_share(p, b, rank, lt) * p.root;
-  const long long bg = (long long)b * p.hkv + kvh;
-  const float4* src = reinterpret_cast<const float4*>(bp.dkl_late + (bg * p.m + lt) * D + c);
-  uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(bp.dk) + (bg * p.n + j) * D + c);
+  const long long bh = (long long)b * gridDim.y + h;
+  const float4* src = reinterpret_cast<const float4*>(rows + (bh * p.m + lt) * D + c);
+  uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(dst_rows) + (bh * p.n + j) * D + c);
   const float4 lo = src[0], hi = src[1];
   uint4 w = *dst;
   const float add[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};

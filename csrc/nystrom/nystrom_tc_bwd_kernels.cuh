@@ -245,19 +245,59 @@ __device__ __forceinline__ void sum_slots(float (&delta)[NQ / 8][2], const float
     }
 }
 
+// dq rows [16 rt, +16) x columns [c0, +32) of a query tile, √scale-free: dS1ᵀ (queries x slots) in 16-bit halves
+// staged slot-major ([slot][queries + 8], A fragments by ldmatrix.trans) times the slots' key halves ([slot][D + 8],
+// B by ldmatrix.trans), hi hi + hi lo + lo hi; 16-slot k-steps at or past `valid` skipped.
+template <typename T, int D, int DS_ROW>
+__device__ __forceinline__ void ds_keys(float (&acc)[4][4], const uint16_t* dhi, const uint16_t* dlo,
+                                        const uint16_t* khi, const uint16_t* klo, int rt, int c0, int valid,
+                                        int lane) {
+  constexpr int kRow = D + 8;
+  const int srow = (lane & 7) + (lane >> 4) * 8, scol = ((lane >> 3) & 1) * 8;
+  const int trow = (lane & 7) + ((lane >> 3) & 1) * 8, tcol = (lane >> 4) * 8;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int kc = 0; 16 * kc < valid; ++kc) {
+    uint32_t ahi[4], alo[4];
+    const int at = (16 * kc + srow) * DS_ROW + 16 * rt + scol;
+    mma::ldsm_x4_trans(ahi, dhi + at);
+    mma::ldsm_x4_trans(alo, dlo + at);
+#pragma unroll
+    for (int dn = 0; dn < 2; ++dn) {
+      const int off = (16 * kc + trow) * kRow + c0 + 16 * dn + tcol;
+      uint32_t bh[4], bl[4];
+      mma::ldsm_x4_trans(bh, khi + off);
+      mma::ldsm_x4_trans(bl, klo + off);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        mma::m16n8k16(acc[2 * dn + half], ahi, {bh[2 * half], bh[2 * half + 1]}, T());
+        mma::m16n8k16(acc[2 * dn + half], ahi, {bl[2 * half], bl[2 * half + 1]}, T());
+        mma::m16n8k16(acc[2 * dn + half], alo, {bh[2 * half], bh[2 * half + 1]}, T());
+      }
+    }
+  }
+}
+
 // Dynamic shared memory: keys hi, lo and vals hi, lo [16 W][D + 8] T (the block's slots); 2 buffers x (q, dO)
-// [kQueries][D + 8] T; 2 buffers x (lse1, Δ1) [kQueries] fp32; [W][kQueries] fp32 (each warp's part of Δ1, DELTA).
-// 32 queries per tile at D 128 (registers: the two D-wide accumulators take 128).
+// [kQueries][D + 8] T; 2 buffers x (lse1, Δ1) [kQueries] fp32; [W][kQueries] fp32 (each warp's part of Δ1, FUSED);
+// FUSED: dS1 in hi, lo halves [16 W][kQueries + 8] T, in the q and dO tiles of the buffer just used where they fit
+// (else after the rest: D 32 with four warps). 32 queries per tile at D 128 (registers: the two D-wide accumulators
+// take 128).
 template <int D, int W> struct K1Smem {
   static constexpr int kQueries = D == 128 ? 32 : 64;
   static constexpr int kRow = D + 8, kSlotTile = 16 * W * kRow, kQueryTile = kQueries * kRow;
-  static constexpr int bytes = 4 * kSlotTile * 2 + 4 * kQueryTile * 2 + (4 + W) * kQueries * 4;
+  static constexpr int kDsRow = kQueries + 8, kDsTile = 16 * W * kDsRow;
+  static constexpr bool kDsInQueryTile = kDsTile <= kQueryTile;
+  static constexpr int bytes =
+      4 * kSlotTile * 2 + 4 * kQueryTile * 2 + (4 + W) * kQueries * 4 + (kDsInQueryTile ? 0 : 2 * kDsTile * 2);
 };
 
-// Grid (splits, ceil(slots / 16 W), B Hq), 32 W threads. Queries [split * a_chunk, min(+a_chunk, N)). DELTA (one slot
-// tile: slots <= 16 W): Δ1 = Σ_slots K1 ∘ dP per query is summed here, from this tile's own K1 and dP, and written to
-// bp.delta1 (the row-statistics kernel then only owes lse1, which the forward saves); else read from bp.delta1.
-template <typename T, int D, int W, bool DELTA>
+// Grid (splits, ceil(slots / 16 W), B Hq), 32 W threads. Queries [split * a_chunk, min(+a_chunk, N)). FUSED (one slot
+// tile: slots <= 16 W, the forward's lse1): Δ1 = Σ_slots K1 ∘ dP per query is summed here, from this tile's own K1 and
+// dP, and written to bp.delta1, and dq's buffer part √scale dS1 keys is written to bp.dq (every query row of the
+// split, zeros for a sequence without valid slots; nystrom_segment_add_bwd_kernel adds the landmark part); else Δ1 is
+// read from bp.delta1 and the dq kernel computes dq.
+template <typename T, int D, int W, bool FUSED>
 __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
     nystrom_k1_tc_bwd_kernel(const BwdParams bp) {
   using S = K1Smem<D, W>;
@@ -270,7 +310,8 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
   uint16_t* vlo = vhi + kTile;
   uint16_t* qdo = vlo + kTile;                                 // [buffer][q, dO][kQueries][D + 8]
   float* stats = reinterpret_cast<float*>(qdo + 4 * kQTile);   // [buffer][lse1, Δ1][kQueries]
-  float* parts = stats + 4 * kQueries;                          // DELTA: [warp][kQueries]
+  float* parts = stats + 4 * kQueries;                          // FUSED: [warp][kQueries]
+  uint16_t* ds_apart = reinterpret_cast<uint16_t*>(parts + W * kQueries);  // FUSED, !kDsInQueryTile: dS1 hi, lo
   const Params& p = bp.p;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int split = blockIdx.x, s0 = blockIdx.y * kSlotsW, bh = blockIdx.z;
@@ -279,7 +320,7 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
   const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
   const T* dout = static_cast<const T*>(bp.dout) + (long long)bh * p.n * D;
   const float scale_log2 = p.root * kLog2e;
-  const int qbeg = split * bp.a_chunk, qend = s0 < nvalid ? min(qbeg + bp.a_chunk, p.n) : qbeg;
+  const int qbeg = split * bp.a_chunk, qend = FUSED || s0 < nvalid ? min(qbeg + bp.a_chunk, p.n) : qbeg;
 
   auto load = [&](int q0, int buf) {
     uint16_t* qt = qdo + 2 * buf * kQTile;
@@ -290,7 +331,7 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
     for (int c = threadIdx.x; c < kQueries; c += kThreadsW) {
       const bool in = q0 + c < qend;
       st[c] = in ? bp.lse1[(long long)bh * p.n + q0 + c] : 0.f;
-      if (!DELTA) st[kQueries + c] = in ? bp.delta1[(long long)bh * p.n + q0 + c] : 0.f;
+      if (!FUSED) st[kQueries + c] = in ? bp.delta1[(long long)bh * p.n + q0 + c] : 0.f;
     }
   };
   if (qbeg < qend) load(qbeg, 0);
@@ -312,46 +353,79 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
     mma::cp_async_wait_all();
     __syncthreads();  // this tile (and, at the first, the slots) is in; every warp is done with the other buffer
     if (q0 + kQueries < qend) load(q0 + kQueries, buf ^ 1);
-    if (!active) {
-      if (DELTA) {  // this warp's part of Δ1 is 0; the others wait for it
-        for (int c = lane; c < kQueries; c += 32) parts[warp * kQueries + c] = 0.f;
-        __syncthreads();
-      }
-      continue;
-    }
-    const uint16_t* qt = qdo + 2 * buf * kQTile;
-    const uint16_t* dt = qt + kQTile;
+    uint16_t* qt = qdo + 2 * buf * kQTile;
+    uint16_t* dt = qt + kQTile;
     const float* lse = stats + 2 * buf * kQueries;
 
-    float s[kQueries / 8][4], dp[kQueries / 8][4];  // Sᵀ = keys q_sᵀ, dPᵀ = vals dOᵀ (slots x queries)
-    const uint16_t* const halves[4] = {khi, klo, vhi, vlo};
-    halves_scores<T, D>(s, dp, halves, qt, dt, warp, lane);
+    float dp[kQueries / 8][4];  // dPᵀ = vals dOᵀ (slots x queries), then dS1ᵀ scaled per slot row
+    if (active) {
+      float s[kQueries / 8][4];  // Sᵀ = keys q_sᵀ, then K1ᵀ
+      const uint16_t* const halves[4] = {khi, klo, vhi, vlo};
+      halves_scores<T, D>(s, dp, halves, qt, dt, warp, lane);
 #pragma unroll
-    for (int j = 0; j < kQueries / 8; ++j)
+      for (int j = 0; j < kQueries / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {  // slot row 16 warp + g + 8 (e / 2), query column 8 j + 2 t + e % 2
-        const int c = 8 * j + 2 * t + (e & 1);
-        const bool ok = slot_ok[e >> 1] && q0 + c < qend;
-        s[j][e] = ok ? exp2f(fmaf(s[j][e], scale_log2, -lse[c])) : 0.f;
+        for (int e = 0; e < 4; ++e) {  // slot row 16 warp + g + 8 (e / 2), query column 8 j + 2 t + e % 2
+          const int c = 8 * j + 2 * t + (e & 1);
+          const bool ok = slot_ok[e >> 1] && q0 + c < qend;
+          s[j][e] = ok ? exp2f(fmaf(s[j][e], scale_log2, -lse[c])) : 0.f;
+        }
+      float delta[kQueries / 8][2];  // FUSED: Δ1 of query columns 8 j + 2 t + k
+      if (FUSED) {
+        sum_slots<W, kQueries>(delta, s, dp, parts, warp, lane);
+        if (warp == 0 && g == 0)
+#pragma unroll
+          for (int j = 0; j < kQueries / 8; ++j)
+#pragma unroll
+            for (int k = 0; k < 2; ++k)
+              if (q0 + 8 * j + 2 * t + k < qend) bp.delta1[(long long)bh * p.n + q0 + 8 * j + 2 * t + k] = delta[j][k];
       }
-    float delta[kQueries / 8][2];  // DELTA: Δ1 of query columns 8 j + 2 t + k
-    if (DELTA) {
-      sum_slots<W, kQueries>(delta, s, dp, parts, warp, lane);
-      if (warp == 0 && g == 0)
+#pragma unroll
+      for (int j = 0; j < kQueries / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          dp[j][e] = s[j][e] * (dp[j][e] - (FUSED ? delta[j][e & 1] : lse[kQueries + 8 * j + 2 * t + (e & 1)]));
+      halves_product<T, D, kQueries / 8, false>(dvals, s, dt, nullptr, kQueries, lane);  // K1ᵀ dO
+      scale_rows<kQueries / 8, D>(dp, dkeys, dkeys_exps);  // dS1 scales with dO: fp16's subnormals for a tiny dO
+      halves_product<T, D, kQueries / 8, false>(dkeys, dp, qt, nullptr, kQueries, lane);  // dS1ᵀ q
+    } else if (FUSED) {  // this warp's part of Δ1 is 0; the others wait for it
+      for (int c = lane; c < kQueries; c += 32) parts[warp * kQueries + c] = 0.f;
+      __syncthreads();
+    }
+    if (FUSED) {
+      uint16_t* dhi = S::kDsInQueryTile ? qt : ds_apart;
+      uint16_t* dlo = S::kDsInQueryTile ? dt : ds_apart + S::kDsTile;
+      if (S::kDsInQueryTile) __syncthreads();  // every warp is done with this tile's q and dO: dS1 takes their place
+      if (active) {
 #pragma unroll
         for (int j = 0; j < kQueries / 8; ++j)
 #pragma unroll
-          for (int k = 0; k < 2; ++k)
-            if (q0 + 8 * j + 2 * t + k < qend) bp.delta1[(long long)bh * p.n + q0 + 8 * j + 2 * t + k] = delta[j][k];
+          for (int r = 0; r < 2; ++r) {  // slot row 16 warp + g + 8 r, unscaled (powers of two: exact)
+            const float unscale = pow2(-dkeys_exps[r]);
+            uint32_t hi, lo;
+            split_pair<T>(dp[j][2 * r] * unscale, dp[j][2 * r + 1] * unscale, hi, lo);
+            const int at = (16 * warp + g + 8 * r) * S::kDsRow + 8 * j + 2 * t;
+            *reinterpret_cast<uint32_t*>(dhi + at) = hi;
+            *reinterpret_cast<uint32_t*>(dlo + at) = lo;
+          }
+      }
+      __syncthreads();  // dS1 of every slot is staged
+      constexpr int kChunks = D / 32, kItems = kQueries / 16 * kChunks;
+      for (int item = warp; item < kItems; item += W) {
+        const int rt = item / kChunks, c0 = 32 * (item % kChunks);
+        float acc[4][4];
+        ds_keys<T, D, S::kDsRow>(acc, dhi, dlo, khi, klo, rt, c0, count, lane);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = q0 + 16 * rt + g + 8 * r;
+          if (row >= qend) continue;
+          unsigned* dst = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dq) + ((long long)bh * p.n + row) * D + c0);
+#pragma unroll
+          for (int j = 0; j < 4; ++j)  // q_s = q √scale
+            dst[4 * j + t] = Pair<T>::from_float2(make_float2(acc[j][2 * r] * p.root, acc[j][2 * r + 1] * p.root));
+        }
+      }
     }
-#pragma unroll
-    for (int j = 0; j < kQueries / 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        dp[j][e] = s[j][e] * (dp[j][e] - (DELTA ? delta[j][e & 1] : lse[kQueries + 8 * j + 2 * t + (e & 1)]));
-    halves_product<T, D, kQueries / 8, false>(dvals, s, dt, nullptr, kQueries, lane);  // K1ᵀ dO
-    scale_rows<kQueries / 8, D>(dp, dkeys, dkeys_exps);  // dS1 scales with dO: fp16's subnormals for a tiny dO
-    halves_product<T, D, kQueries / 8, false>(dkeys, dp, qt, nullptr, kQueries, lane);  // dS1ᵀ q
   }
   unscale_rows<D>(dkeys, dkeys_exps);
 

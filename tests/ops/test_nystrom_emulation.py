@@ -213,18 +213,28 @@ def k1_oracle(q, dout, keys, vals, nvalid, lse1, delta1, a_chunk, precision):
     (128, torch.bfloat16, 48, [48, 30], 64, 1.0, True),     # four warps, the last idle in batch 1; four splits
 ])
 def test_buffer_gradient_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, a_chunk, dout_scale, delta):
-    """With `delta` the kernel sums Δ1 itself (one slot tile) and writes it for every query row of a sequence with
-    valid slots, else it reads the given one."""
+    """With `delta` (the fused instance) the kernel sums Δ1 itself (one slot tile) and writes it for every query row
+    of a sequence with valid slots, and writes dq's buffer part √scale dS1 keys for every query row (zeros without
+    valid slots); else it reads the given Δ1 and leaves dq alone."""
     b, hq, n = 2, 2, 200
     q, dout, keys, vals, nv, lse1, delta1 = buffer_inputs(b, hq, n, slots, nvalid, d, dtype, dout_scale, seed=d)
     given = nan_like(delta1) if delta else delta1
     splits = -(-n // a_chunk)
     part_dkeys = nan_like(keys, (splits, b * hq, slots, d), torch.float32)
     part_dvals = nan_like(keys, (splits, b * hq, slots, d), torch.float32)
+    dq = nan_like(q)
     rc = emulator.nystrom_k1_bwd(int(dtype == torch.bfloat16), d, b, hq, n, slots, ctypes.c_float(d ** -0.25), a_chunk,
                                  int(delta), ptr(q), ptr(dout), ptr(keys), ptr(vals), ptr(nv), ptr(lse1), ptr(given),
-                                 ptr(part_dkeys), ptr(part_dvals))
+                                 ptr(part_dkeys), ptr(part_dvals), ptr(dq))
     check_rc(rc, "nystrom_k1_bwd")
+    if not delta:
+        assert torch.isnan(dq).all()
+    else:
+        args = (q, dout, keys, vals, nv, lse1, delta1)
+        root = d ** -0.25
+        assert_close_to_oracle(dq, dq_buffer_part(*args, torch.float64) * root,
+                               baseline=(dq_buffer_part(*args, torch.float32) * root).to(dtype), factor=FACTOR,
+                               floor=FLOOR * dout_scale, name="dq")
     if delta:
         rows = (nv > 0).repeat_interleave(hq)  # (B Hq,): sequences with valid slots; the others' rows stay unwritten
         want_delta = stats_oracle(q, dout, keys, vals, nv, torch.float64)[1]
@@ -240,11 +250,16 @@ def test_buffer_gradient_kernel_against_the_oracle(emulator, d, dtype, slots, nv
 SPLIT_RTOL = {torch.float16: 2e-6, torch.bfloat16: 2e-5}
 
 
+def dq_buffer_part(q, dout, keys, vals, nvalid, lse1, delta1, precision):
+    """dS1 keys (B, Hq, N, D), without √scale."""
+    _, ds = dS1(q, dout, keys, vals, nvalid, lse1, delta1, q.shape[-1] ** -0.25, precision)
+    return ds @ keys.to(precision)
+
+
 def dq_oracle(q, dout, keys, vals, nvalid, lse1, delta1, mask, m, dql, precision):
     b, hq, n, d = q.shape
     root = d ** -0.25
-    _, ds = dS1(q, dout, keys, vals, nvalid, lse1, delta1, root, precision)
-    dq = ds @ keys.to(precision)
+    dq = dq_buffer_part(q, dout, keys, vals, nvalid, lse1, delta1, precision)
     real = mask if mask is not None else torch.ones(b, n, dtype=torch.bool)
     n_real = real.sum(1)
     counts = segment_counts(n_real, m).to(precision)

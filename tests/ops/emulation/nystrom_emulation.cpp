@@ -45,13 +45,13 @@ bool with_value(int v, F f) {
   }
 }
 
-template <typename T, int D, bool DELTA>
+template <typename T, int D, bool FUSED>
 bool buffer_gradients(const BwdParams& bp, int b) {
   return with_value<2, 4>(tc::row_warps(bp.p.slots), [&]<int W>() {
     static_assert(tc::K1Smem<D, W>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
-    if (DELTA && bp.p.slots > 16 * W) return false;  // Δ1 from one slot tile only, as the host launches it
+    if (FUSED && bp.p.slots > 16 * W) return false;  // Δ1 and dq from one slot tile only, as the host launches it
     const dim3 grid(emu::blocks(bp.p.n, bp.a_chunk), emu::blocks(bp.p.slots, 16 * W), b * bp.p.hq);
-    return emu::launch(grid, 32 * W, [&] { tc::nystrom_k1_tc_bwd_kernel<T, D, W, DELTA>(bp); });
+    return emu::launch(grid, 32 * W, [&] { tc::nystrom_k1_tc_bwd_kernel<T, D, W, FUSED>(bp); });
   });
 }
 
@@ -107,6 +107,21 @@ BwdParams query_side(int d, int hq, int n, int slots, float root, const void* q,
   return bp;
 }
 
+// The fields that spread a landmark's gradient over its segment: the mask with its ranks, real lengths, exact
+// sequences, segment sizes.
+void segments(BwdParams& bp, int m, const unsigned char* mask, const int* cumsum, const int* n_real,
+              const unsigned char* exact, const float* counts) {
+  Params& p = bp.p;
+  p.m = m;
+  p.mask = mask;
+  p.mask_stride = p.n;
+  p.n_real = n_real;
+  p.counts = const_cast<float*>(counts);
+  bp.cumsum = cumsum;
+  bp.exact = exact;
+  bp.landmarks = p.n > m;
+}
+
 }  // namespace
 
 // K3's forward: per key split, the base-2 running max, sum and unnormalised Σ p v of each landmark row,
@@ -148,17 +163,18 @@ extern "C" int nystrom_k3_bwd(int bf16, int d, int b, int hq, int hkv, int n, in
   });
 }
 
-// part_dkeys, part_dvals: (ceil(N / a_chunk), B Hq, slots, D) fp32. With `delta` (slots <= 64) the kernel sums Δ1
-// itself and writes it to delta1, else reads it there.
-extern "C" int nystrom_k1_bwd(int bf16, int d, int b, int hq, int n, int slots, float root, int a_chunk, int delta,
+// part_dkeys, part_dvals: (ceil(N / a_chunk), B Hq, slots, D) fp32. With `fused` (slots <= 64) the kernel sums Δ1
+// itself and writes it to delta1 and dq's buffer part to dq (B, Hq, N, D), else reads Δ1 there (dq untouched).
+extern "C" int nystrom_k1_bwd(int bf16, int d, int b, int hq, int n, int slots, float root, int a_chunk, int fused,
                               const void* q, const void* dout, const float* keys, const float* vals, const int* nvalid,
-                              const float* lse1, float* delta1, float* part_dkeys, float* part_dvals) {
+                              const float* lse1, float* delta1, float* part_dkeys, float* part_dvals, void* dq) {
   BwdParams bp = query_side(d, hq, n, slots, root, q, dout, keys, vals, nvalid, lse1, delta1);
   bp.a_chunk = a_chunk;
   bp.part_dkeys = part_dkeys;
   bp.part_dvals = part_dvals;
+  bp.dq = dq;
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
-    return delta ? buffer_gradients<T, D, true>(bp, b) : buffer_gradients<T, D, false>(bp, b);
+    return fused ? buffer_gradients<T, D, true>(bp, b) : buffer_gradients<T, D, false>(bp, b);
   });
 }
 
@@ -169,15 +185,7 @@ extern "C" int nystrom_dq_bwd(int bf16, int d, int b, int hq, int n, int m, int 
                               const int* cumsum, const int* n_real, const unsigned char* exact, const float* dql,
                               const float* counts, void* dq) {
   BwdParams bp = query_side(d, hq, n, slots, root, q, dout, keys, vals, nvalid, lse1, delta1);
-  Params& p = bp.p;
-  p.m = m;
-  p.mask = mask;
-  p.mask_stride = n;
-  p.n_real = n_real;
-  p.counts = const_cast<float*>(counts);
-  bp.cumsum = cumsum;
-  bp.exact = exact;
-  bp.landmarks = n > m;
+  segments(bp, m, mask, cumsum, n_real, exact, counts);
   bp.dql = dql;
   bp.dq = dq;
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
@@ -277,3 +285,18 @@ extern "C" int nystrom_landmark_fwd(int bf16, int d, int b, int hq, int hkv, int
   });
 }
 
+
+// dst (B, heads, N, D) 16-bit += rows (B, heads, m, D) fp32 spread over the segments (√scale · 1 / |segment|), at the
+// real tokens of landmark sequences (not exact[b]).
+extern "C" int nystrom_segment_add(int bf16, int d, int b, int heads, int n, int m, float root,
+                                   const unsigned char* mask, const int* cumsum, const int* n_real,
+                                   const unsigned char* exact, const float* counts, const float* rows, void* dst) {
+  BwdParams bp{};
+  bp.p.n = n;
+  bp.p.root = root;
+  segments(bp, m, mask, cumsum, n_real, exact, counts);
+  return emu::dispatch(bf16, d, [&]<typename T, int D>() {
+    const dim3 grid(emu::blocks(n, segment_add_rows<D>), heads, b);
+    return emu::launch(grid, kThreads, [&] { nystrom_segment_add_bwd_kernel<T, D>(bp, rows, dst); });
+  });
+}
