@@ -286,17 +286,3 @@ extern "C" int nystrom_landmark_fwd(int bf16, int d, int b, int hq, int hkv, int
 }
 
 
-// dst (B, heads, N, D) 16-bit += rows (B, heads, m, D) fp32 spread over the segments (√scale · 1 / |segment|), at the
-// real tokens of landmark sequences (not exact[b]).
-extern "C" int nystrom_segment_add(int bf16, int d, int b, int heads, int n, int m, float root,
-                                   const unsigned char* mask, const int* cumsum, const int* n_real,
-                                   const unsigned char* exact, const float* counts, const float* rows, void* dst) {
-  BwdParams bp{};
-  bp.p.n = n;
-  bp.p.root = root;
-  segments(bp, m, mask, cumsum, n_real, exact, counts);
-  return emu::dispatch(bf16, d, [&]<typename T, int D>() {
-    const dim3 grid(emu::blocks(n, segment_add_rows<D>), heads, b);
-    return emu::launch(grid, kThreads, [&] { nystrom_segment_add_bwd_kernel<T, D>(bp, rows, dst); });
-  });
-}
