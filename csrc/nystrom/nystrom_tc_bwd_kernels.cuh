@@ -7,7 +7,7 @@
 //                                dS1 = K1 ∘ (dO valsᵀ − Δ1); W = row_warps(slots) warps x 16 slots, the slots' fp32
 //                                keys and values in two 16-bit halves as A operands, 64-query (D 128: 32) q and dO
 //                                tiles (with lse1, Δ1) double-buffered by cp.async; Kᵀ and dS1ᵀ in two halves against
-//                                exact q, dO
+//                                exact q, dO; FUSED (one slot tile): also Δ1 and dq's buffer part √scale dS1 keys
 //   nystrom_k3_tc_bwd_kernel     per (key split, 16 W landmarks, b h): partial dQ̃ = dS3 k_s, dS3 = K3 ∘ (dW0 vᵀ − rowdot);
 //                                the landmarks and dW0 (fp32) staged in 16-bit halves, 64-key k and v tiles with their
 //                                padding bias double-buffered by cp.async; dS3 in halves against exact k
