@@ -3,9 +3,8 @@
 // log-sum-exp), K2, the NS iterates and W = Z W0 come from the forward's kernels; the N-sized products are
 // the fused kernels of nystrom_bwd_kernels.cuh (K1 and K3 recomputed from their row statistics, no N x m
 // matrix, no fp32 copy of the inputs); the Newton–Schulz VJP is one kernel per (b, head) over the saved
-// iterates; the rest of the m x m VJP (K2's softmax, the normalisation, small reductions) is ATen fp32 on the
-// current stream. NOTES.md "Backward".
-#include <ATen/ops/_softmax_backward_data.h>
+// iterates, and the m x m products before and after it two more (nystrom_landmark_*_bwd_kernel; ATen only for the
+// kappa_star ridge and the conv weight's gradient). NOTES.md "Backward".
 #include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/stack.h>
@@ -21,26 +20,15 @@ namespace {
 
 using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// dS = P (dP - rowsum(P dP)) for a row softmax P (fp32), in one ATen op.
-at::Tensor softmax_vjp(const at::Tensor& p, const at::Tensor& dp) {
-  return at::_softmax_backward_data(dp, p, -1, at::kFloat);
-}
-
-at::Tensor tr(const at::Tensor& x) { return x.transpose(-1, -2); }
-
-// (B, H, R, C) as a batch of R x C matrices (a view: only the leading dims merge, transposed ones included).
-at::Tensor batched(const at::Tensor& x) { return x.reshape({-1, x.size(-2), x.size(-1)}); }
-
-// a b (+ c) for (B, H, ., .) operands, by one bmm (baddbmm): fewer host ops than matmul's broadcasting path.
-at::Tensor product(const at::Tensor& a, const at::Tensor& b) {
-  return batched(a).bmm(batched(b)).view({a.size(0), a.size(1), a.size(2), b.size(3)});
-}
-at::Tensor product_plus(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b) {
-  return batched(c).baddbmm(batched(a), batched(b)).view(c.sizes());
-}
-
-// Σ over the leading split dim of per-split partial sums (fixed order: deterministic); one split is a view.
-at::Tensor sum_splits(const at::Tensor& parts) { return parts.size(0) == 1 ? parts.select(0, 0) : parts.sum(0); }
+// Offsets of consecutive fp32 buffers in one allocation (total floats), each 16-byte aligned.
+struct Carve {
+  int64_t total = 0;
+  int64_t operator()(int64_t floats) {
+    const int64_t at = total;
+    total += div_up(floats, 4) * 4;
+    return at;
+  }
+};
 
 dim3 grid_of(int64_t x, int64_t y, int64_t z) {
   return dim3(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(z));
@@ -97,14 +85,12 @@ at::Tensor conv_weight_grad(const Inputs& in, const at::Tensor& dout) {
 // K3's backward saves (H200, B4 H16 D128 m64: N 2,048 and 4,096 faster); beyond, K3's backward alone hides the VJP.
 bool late_key_pass(const at::Tensor& dk) { return dk.nbytes() <= (int64_t{64} << 20); }
 
-// lse3: K3's base-2 log-sum-exp (B, Hq, m) for landmark sequences (st.nystrom), else undefined.
 template <typename T, int D>
-Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tensor& lse3, cudaStream_t stream) {
+Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, cudaStream_t stream) {
   const int64_t B = in.batch, Hq = in.hq, N = in.n, S = st.slots, m = in.m, bh = B * Hq;
   const auto f32 = in.q.options().dtype(at::kFloat);
   const auto contiguous = at::MemoryFormat::Contiguous;
   const at::Tensor dout = vector_readable(dout_in.contiguous());
-  const at::Tensor exact = st.exact.contiguous();
   at::Tensor dq = at::empty(in.q.sizes(), in.q.options().memory_format(contiguous));
   at::Tensor dk = at::empty(in.k.sizes(), in.k.options().memory_format(contiguous));
   at::Tensor dv = at::empty(in.v.sizes(), in.v.options().memory_format(contiguous));
@@ -124,23 +110,34 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   };
   TileKernel<BwdParams> k1 = pick_k1.template operator()<true>();
   const bool fused_k1 = st.lse1.defined() && k1.tensor_cores && div_up(S, k1.rows) == 1;
-  // lse1: the forward's rows where k1 sums Δ1, else the row-statistics kernel's (the saved state stays as it is). Δ1
-  // from k1 misses the rows of sequences without valid slots (only with a mask): 0 there, never read
-  const at::Tensor lse1 = fused_k1 ? st.lse1 : at::empty({bh, N}, f32);
-  const at::Tensor delta1 = fused_k1 && in.mask.defined() ? at::zeros({bh, N}, f32) : at::empty({bh, N}, f32);
+  if (!fused_k1) k1 = pick_k1.template operator()<false>();
+  const int64_t stiles = div_up(S, k1.rows), hkv = in.hkv;
+  const auto [a_splits, a_chunk] = split_plan(N, k1.step, stiles * bh, k1.resident());
+  // fp32 scratch: the row statistics (lse1: the forward's rows where k1 sums Δ1, else the row-statistics kernel's),
+  // k1's partial buffer gradients, their sums per kv head, and the landmark stage's products
+  Carve carve;
+  const int64_t buffer = S * in.d, land = st.nystrom ? m * in.d : 0;
+  const int64_t at_lse1 = carve(fused_k1 ? 0 : bh * N), at_delta1 = carve(bh * N);
+  const int64_t at_dkeys = carve(a_splits * bh * buffer), at_dvals = carve(a_splits * bh * buffer);
+  const int64_t at_dkeys_kv = carve(B * hkv * buffer), at_dvals_kv = carve(B * hkv * buffer);
+  const int64_t at_dw0 = carve(bh * land), at_rowdot = carve(st.nystrom ? bh * m : 0), at_dkl = carve(B * hkv * land);
+  const int64_t at_dql = carve(bh * land), at_dkl_vjp = carve(B * hkv * land);
+  const at::Tensor scratch = at::empty({carve.total}, f32);
+  const auto ptr = [&](int64_t at) { return scratch.data_ptr<float>() + at; };
   BwdParams bp{};
   bp.p = in.p;
   bp.dout = dout.data_ptr();
   bp.cumsum = in.mask.defined() ? st.cumsum.data_ptr<int>() : nullptr;
-  bp.exact = reinterpret_cast<const unsigned char*>(exact.data_ptr<bool>());
+  bp.exact = reinterpret_cast<const unsigned char*>(st.exact.data_ptr<bool>());
   bp.landmarks = st.nystrom;
-  bp.lse1 = lse1.data_ptr<float>();
-  bp.delta1 = delta1.data_ptr<float>();
+  bp.lse1 = fused_k1 ? st.lse1.data_ptr<float>() : ptr(at_lse1);
+  bp.delta1 = ptr(at_delta1);
+  // Δ1 from k1 misses the rows of sequences without valid slots (only with a mask): 0 there, never read
+  if (fused_k1 && in.mask.defined()) C10_CUDA_CHECK(cudaMemsetAsync(bp.delta1, 0, bh * N * 4, stream));
   bp.dq = dq.data_ptr();
   bp.dk = dk.data_ptr();
   bp.dv = dv.data_ptr();
   if (!fused_k1) {
-    k1 = pick_k1.template operator()<false>();
     if (buffer_attention_on_tensor_cores<D>(in, device)) {
       launch_query_tiles(tc::nystrom_stats_tc_bwd_kernel<T, D, 1>, tc::OutSmem<D>::bytes(in.p.slots),
                          tc::nystrom_stats_tc_bwd_kernel<T, D, 2>, tc::OutSmem<D>::bytes(in.p.slots, 2), bp, in,
@@ -150,18 +147,36 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
-  const int64_t stiles = div_up(S, k1.rows);
-  const auto [a_splits, a_chunk] = split_plan(N, k1.step, stiles * bh, k1.resident());
-  const at::Tensor part_dkeys = at::empty({a_splits, B, Hq, S, in.d}, f32);
-  const at::Tensor part_dvals = at::empty({a_splits, B, Hq, S, in.d}, f32);
+  LandmarkParams lp{};
   bp.a_chunk = static_cast<int>(a_chunk);
-  bp.part_dkeys = part_dkeys.data_ptr<float>();
-  bp.part_dvals = part_dvals.data_ptr<float>();
+  bp.part_dkeys = ptr(at_dkeys);
+  bp.part_dvals = ptr(at_dvals);
   k1.launch(grid_of(a_splits, stiles, bh), bp, stream);
-  const at::Tensor dkeys = sum_splits(part_dkeys), dvals = sum_splits(part_dvals);
-  const at::Tensor dkeys_kv = ungroup(in, dkeys).contiguous(), dvals_kv = ungroup(in, dvals).contiguous();
-  bp.dkeys_kv = dkeys_kv.data_ptr<float>();
-  bp.dvals_kv = dvals_kv.data_ptr<float>();
+  lp.hq = static_cast<int>(Hq);
+  lp.groups = static_cast<int>(in.groups);
+  lp.m = static_cast<int>(m);
+  lp.slots = static_cast<int>(S);
+  lp.a_splits = static_cast<int>(a_splits);
+  lp.landmarks = st.nystrom;
+  lp.exact = bp.exact;
+  lp.part_dkeys = bp.part_dkeys;
+  lp.part_dvals = bp.part_dvals;
+  lp.dkeys_kv = ptr(at_dkeys_kv);
+  lp.dvals_kv = ptr(at_dvals_kv);
+  bp.dkeys_kv = lp.dkeys_kv;
+  bp.dvals_kv = lp.dvals_kv;
+  at::Tensor dz;
+  if (st.nystrom) {
+    dz = at::empty({B, Hq, m, m}, f32);
+    lp.w0 = st.w0.data_ptr<float>();
+    lp.z = st.z.data_ptr<float>();
+    lp.dz = dz.data_ptr<float>();
+    lp.dw0 = ptr(at_dw0);
+    lp.rowdot = ptr(at_rowdot);
+    lp.dkl = ptr(at_dkl);
+  }
+  launch_dynamic(nystrom_landmark_vjp_bwd_kernel<D>, grid_of(Hq, B, 1), kThreads,
+                 st.nystrom ? landmark_vjp_smem_bytes<D>(static_cast<int>(m)) : 0, lp, stream);
 
   const auto launch_key_gradients = [&] {
     // the group's landmarks staged once per block where they fit 64 rows (41 / 74 / 105 KB at D 32 / 64 / 128), else
@@ -188,27 +203,19 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
   };
 
   // rows (B, heads, m, D) spread over their segments and added to dst (B, heads, N, D)
-  const auto add_segments = [&](const at::Tensor& rows, const at::Tensor& dst) {
+  const auto add_segments = [&](const float* rows, const at::Tensor& dst) {
     nystrom_segment_add_bwd_kernel<T, D><<<grid_of(div_up(N, segment_add_rows<D>), dst.size(1), B), kThreads, 0,
-                                           stream>>>(bp, rows.data_ptr<float>(), dst.data_ptr());
+                                           stream>>>(bp, rows, dst.data_ptr());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  at::Tensor dw0, rowdot, dkl, dkl_late, dql, part_dql;
+  at::Tensor part_dql;
   if (st.nystrom) {  // landmark sequences: keys = K̃, vals = W = Z W0, W0 = K3 v
-    // sequences with n <= m real tokens take no landmark path: possible only with a mask (else n = N > m)
-    const auto landmark_rows = [&](const at::Tensor& x) {
-      return in.mask.defined() ? x.masked_fill(st.exact.view({B, 1, 1, 1}), 0.0) : x;
-    };
-    const at::Tensor dw = landmark_rows(dvals);
-    const at::Tensor dz = product(dw, tr(st.w0));
-    dw0 = product(tr(st.z), dw).contiguous();
-    rowdot = dw0.mul(st.w0).sum(-1).contiguous();  // Σ_j K3[l, j] (dW0 vᵀ)[l, j] = dW0[l] · W0[l]
     // the Newton–Schulz VJP (one block per head: half the SMs at B4 H16) on a side stream, beside K3's gradients and,
     // where dk is small (late_key_pass), the dk/dv kernel on d K̃'s dS1ᵀ Q̃ part (nystrom_segment_add_bwd_kernel adds the
     // VJP's dS2ᵀ Q̃ part to dk after)
     const SideStream side(c10::cuda::getCurrentCUDAStream(device.index()), side_stream_enabled());
-    const at::Tensor ds2 = side.handed_over(side.run([&](cudaStream_t ns_stream) {
-      return softmax_vjp(st.k2, k2_inverse_backward(st.ns, dz, ns_stream));
+    const at::Tensor dk2 = side.handed_over(side.run([&](cudaStream_t ns_stream) {
+      return k2_inverse_backward(st.ns, dz, ns_stream);
     }));
     // 41 / 73 / 137 KB at D 32 / 64 / 128 with four warps, 31 / 56 / 105 KB with two
     const TileKernel<BwdParams> k3 = row_tiled_or(
@@ -221,31 +228,31 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, const at::Tenso
     const int64_t ltiles = div_up(m, k3.rows);
     const auto [b_splits, b_chunk] = split_plan(N, k3.step, ltiles * bh, k3.resident());
     part_dql = at::empty({b_splits, B, Hq, m, in.d}, f32);
-    bp.dw0 = dw0.data_ptr<float>();
-    bp.lse3 = lse3.data_ptr<float>();
-    bp.rowdot = rowdot.data_ptr<float>();
+    bp.dw0 = lp.dw0;
+    bp.lse3 = st.lse3.data_ptr<float>();
+    bp.rowdot = lp.rowdot;
     bp.b_chunk = static_cast<int>(b_chunk);
     bp.part_dql = part_dql.data_ptr<float>();
     k3.launch(grid_of(b_splits, ltiles, bh), bp, stream);
     const bool late = late_key_pass(dk);
-    if (late) {
-      dkl = ungroup(in, landmark_rows(dkeys)).contiguous();
-      bp.dkl = dkl.data_ptr<float>();
-      launch_key_gradients();
-    }
+    bp.dkl = lp.dkl;
+    if (late) launch_key_gradients();
     side.join();
-    const at::Tensor dkl_vjp = product(tr(ds2), st.q_land);
-    if (late) {
-      dkl_late = ungroup(in, dkl_vjp).contiguous();
-      add_segments(dkl_late, dk);
-    } else {
-      dkl = ungroup(in, landmark_rows(dkeys).add(dkl_vjp)).contiguous();
-      bp.dkl = dkl.data_ptr<float>();
-      launch_key_gradients();
-    }
-    dql = product_plus(sum_splits(part_dql), ds2, st.k_land_g).contiguous();
-    bp.dql = dql.data_ptr<float>();
-    if (fused_k1) add_segments(dql, dq);
+    lp.add_vjp_to_dkl = !late;
+    lp.k2 = st.k2.data_ptr<float>();
+    lp.dk2 = dk2.data_ptr<float>();
+    lp.q_land = st.q_land.data_ptr<float>();
+    lp.k_land = st.k_land.data_ptr<float>();
+    lp.b_splits = static_cast<int>(b_splits);
+    lp.part_dql = bp.part_dql;
+    lp.dql = ptr(at_dql);
+    lp.dkl_vjp = ptr(at_dkl_vjp);
+    launch_dynamic(nystrom_landmark_grads_bwd_kernel<D>, grid_of(hkv, B, 1), kThreads,
+                   landmark_grads_smem_bytes<D>(static_cast<int>(m)), lp, stream);
+    if (late) add_segments(lp.dkl_vjp, dk);
+    else launch_key_gradients();
+    bp.dql = lp.dql;
+    if (fused_k1) add_segments(lp.dql, dq);
   } else {
     launch_key_gradients();
   }
@@ -290,14 +297,14 @@ Grads nystrom_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Te
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(dim)::value;
     State st;
-    at::Tensor lse3;
     if (state.empty()) {
       st = landmark_state<T, D>(in, stream);
-      finish_state<D>(in, st, [&] { return k3_values<T, D>(in, stream, &lse3); }, true, stream);
+      finish_state<T, D>(in, st, stream);
+      st.lse1 = at::Tensor();  // no output kernel ran: the row statistics kernel computes it
     } else {
-      unpack_state(kOp, in, st, lse3, state);
+      unpack_state(kOp, in, st, state);
     }
-    grads = backward<T, D>(in, st, dout, lse3, stream);
+    grads = backward<T, D>(in, st, dout, stream);
   });
   return grads;
 }

@@ -7,7 +7,7 @@ namespace hfab {
 namespace nystrom {
 namespace {
 
-// (out, state): state = pack_state's tensors for hfab::nystrom_bwd (none when q is empty).
+// (out, state): state = StateLayout's two tensors for hfab::nystrom_bwd (none when q is empty).
 std::tuple<at::Tensor, std::vector<at::Tensor>> nystrom_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& conv_weight,
     const std::optional<at::Tensor>& key_padding_mask, int64_t num_landmarks, int64_t newton_iter, double kappa_star,
@@ -24,10 +24,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> nystrom_fwd_cuda(
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(dim)::value;
     State st = landmark_state<T, D>(in, stream);
-    at::Tensor lse3;
-    finish_state<D>(in, st, [&] { return k3_values<T, D>(in, stream, &lse3); }, true, stream);
+    finish_state<T, D>(in, st, stream);
     in.p.out = out.data_ptr();
-    st.lse1 = at::empty({in.batch, in.hq, in.n}, q.options().dtype(at::kFloat));
     in.p.out_lse = st.lse1.data_ptr<float>();
     if (buffer_attention_on_tensor_cores<D>(in, q.device())) {
       launch_query_tiles(tc::nystrom_out_tc_fwd_kernel<T, D, 1>, tc::OutSmem<D>::bytes(in.p.slots),
@@ -39,7 +37,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> nystrom_fwd_cuda(
       nystrom_out_fwd_kernel<T, D><<<grid, kThreads, 0, stream>>>(in.p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    state = pack_state(in, st, lse3);
+    state = st.tensors;
   });
   return {out, state};
 }

@@ -6,13 +6,18 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/cumsum.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/le.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <optional>
 #include <type_traits>
@@ -147,17 +152,153 @@ struct NsSaved {
   at::Tensor k2_input;          // kappa_star > 0: K2 (Z = NS(a) K2ᵀ), else undefined
 };
 
-// Per-call state of the attention term.
+// The forward's state, hfab::nystrom_fwd's second output (what its backward would otherwise recompute): two tensors,
+// fp32 and int32, each a row of regions 16 bytes apart, a region empty where absent (no mask: the int32 mask regions;
+// N <= m: the landmark regions; N > m without a mask: keys, which are the landmarks). Two tensors instead of one per
+// region: each tensor costs host time in the autograd graph and the Python binding. The fake impl (`_state_like` in
+// ops/nystrom/op.py) mirrors the two lengths.
+class StateLayout {
+ public:
+  enum F32 : int { kKeys, kVals, kLse1, kQLand, kKLand, kCounts, kW0, kK2, kZ, kNsA, kNsS, kNsZs, kLse3, kF32Regions };
+  enum I32 : int { kExact, kNvalid, kCumsum, kNReal, kPos, kI32Regions };
+  using Shape = std::vector<int64_t>;
+
+  explicit StateLayout(const Inputs& in) : f32_(f32_shapes(in), at::kFloat), i32_(i32_shapes(in), at::kInt) {
+    i32_.dtypes[kExact] = at::kBool;  // B bytes
+    f32_.place();
+    i32_.place();
+  }
+
+  // the two tensors, uninitialised but for the bytes between regions (zero, so that equal states compare equal)
+  std::vector<at::Tensor> allocate(const at::TensorOptions& options, cudaStream_t stream) const {
+    std::vector<at::Tensor> blobs{at::empty({f32_.length()}, options.dtype(at::kFloat)),
+                                  at::empty({i32_.length()}, options.dtype(at::kInt))};
+    f32_.zero_gaps(blobs[0], stream);
+    i32_.zero_gaps(blobs[1], stream);
+    return blobs;
+  }
+  // whether `state` has this layout's lengths and dtypes, contiguous on `device`
+  bool matches(at::TensorList state, const c10::Device& device) const {
+    const auto fits = [&](const at::Tensor& t, at::ScalarType dtype, int64_t length) {
+      return t.dim() == 1 && t.numel() == length && t.scalar_type() == dtype && t.is_contiguous() &&
+             t.device() == device;
+    };
+    return state.size() == 2 && fits(state[0], at::kFloat, f32_.length()) && fits(state[1], at::kInt, i32_.length());
+  }
+  int64_t f32_length() const { return f32_.length(); }
+  int64_t i32_length() const { return i32_.length(); }
+
+  // region r of the fp32 (int32) tensor as a tensor of its shape sharing the memory; undefined where absent
+  at::Tensor f32(const at::Tensor& blob, F32 r) const { return f32_.view(blob, r); }
+  at::Tensor i32(const at::Tensor& blob, I32 r) const { return i32_.view(blob, r); }
+
+ private:
+  // regions of 4-byte words, each starting on a 16-byte boundary; a region's elements may be narrower (bool)
+  template <int R> struct Regions {
+    std::array<Shape, R> shapes;
+    std::array<at::ScalarType, R> dtypes;
+    std::array<int64_t, R + 1> at{};  // in words
+
+    Regions(std::array<Shape, R> s, at::ScalarType dtype) : shapes(std::move(s)) { dtypes.fill(dtype); }
+    void place() {
+      for (int r = 0; r < R; ++r) {
+        at[r + 1] = at[r] + div_up(div_up(bytes(r), 4), 4) * 4;
+      }
+    }
+    int64_t bytes(int r) const { return c10::multiply_integers(shapes[r]) * c10::elementSize(dtypes[r]); }
+    int64_t length() const { return at[R]; }
+    void zero_gaps(const at::Tensor& blob, cudaStream_t stream) const {
+      char* base = static_cast<char*>(blob.data_ptr());
+      for (int r = 0; r < R; ++r) {
+        const int64_t end = at[r] * 4 + bytes(r), gap = at[r + 1] * 4 - end;
+        if (gap > 0) C10_CUDA_CHECK(cudaMemsetAsync(base + end, 0, gap, stream));
+      }
+    }
+    // a view of `blob` (which outlives it: the state tensor, or the caller's saved copy); the device given, so that
+    // no pointer query runs
+    at::Tensor view(const at::Tensor& blob, int r) const {
+      if (bytes(r) == 0) return at::Tensor();
+      char* base = static_cast<char*>(blob.data_ptr()) + at[r] * 4;
+      return at::for_blob(base, shapes[r]).options(blob.options().dtype(dtypes[r])).target_device(blob.device())
+          .make_tensor();
+    }
+  };
+
+  static Shape when(bool present, Shape shape) { return present ? shape : Shape{0}; }
+  static std::array<Shape, kF32Regions> f32_shapes(const Inputs& in) {
+    const int64_t B = in.batch, H = in.hq, N = in.n, D = in.d, m = in.m, S = std::min(m, N);
+    const bool land = N > m;
+    return {when(in.mask.defined() || !land, {B, H, S, D}), {B, H, S, D}, {B, H, N},
+            when(land, {B, H, m, D}), when(land, {B, in.hkv, m, D}), when(land, {B, m}), when(land, {B, H, m, D}),
+            when(land, {B, H, m, m}), when(land, {B, H, m, m}), when(land, {B, H, m, m}), when(land, {B, H, 1, 1}),
+            when(land, {B, H, in.iters + 1, m, m}), when(land, {B, H, m})};
+  }
+  static std::array<Shape, kI32Regions> i32_shapes(const Inputs& in) {
+    const int64_t B = in.batch, N = in.n;
+    const bool masked = in.mask.defined();
+    return {Shape{B}, Shape{B}, when(masked, {B, N}), when(masked, {B}), when(masked, {B, N})};
+  }
+
+  Regions<kF32Regions> f32_;
+  Regions<kI32Regions> i32_;
+};
+
+// Per-call state of the attention term: views of the two state tensors (StateLayout), filled by the forward's kernels
+// (landmark_state, finish_state, the output kernel's lse1) or read back by the backward (unpack_state).
 struct State {
+  std::vector<at::Tensor> tensors;  // StateLayout's two
   at::Tensor cumsum, n_real, pos;  // int32 (B, N), (B,), (B, N); undefined without a mask
   bool nystrom = false;            // N > m: a sequence may take the landmark path
   at::Tensor exact;                // (B,) bool: n <= m (exact softmax attention)
-  at::Tensor q_land, k_land, counts, k_land_g, k2, z, w0;
+  at::Tensor q_land, k_land, counts, k_land_g, k2, z, w0, lse3;  // lse3: K3's base-2 log-sum-exp (B, Hq, m)
   NsSaved ns;
   int64_t slots = 0;               // rows of the key/value buffers: min(m, N)
   at::Tensor keys, vals, nvalid;   // (B, Hq, slots, D) fp32 contiguous; (B,) int32
   at::Tensor lse1;                 // (B, Hq, N) fp32: the forward's output rows' row_lse; undefined when recomputed
 };
+
+// `st`'s views of its two tensors.
+inline void bind_views(const Inputs& in, State& st) {
+  const StateLayout layout(in);
+  using L = StateLayout;
+  const at::Tensor &f = st.tensors[0], &i = st.tensors[1];
+  st.nystrom = in.n > in.m;
+  st.slots = std::min(in.m, in.n);
+  st.exact = layout.i32(i, L::kExact);
+  st.nvalid = layout.i32(i, L::kNvalid);
+  st.cumsum = layout.i32(i, L::kCumsum);
+  st.n_real = layout.i32(i, L::kNReal);
+  st.pos = layout.i32(i, L::kPos);
+  st.keys = layout.f32(f, L::kKeys);
+  st.vals = layout.f32(f, L::kVals);
+  st.lse1 = layout.f32(f, L::kLse1);
+  st.q_land = layout.f32(f, L::kQLand);
+  st.k_land = layout.f32(f, L::kKLand);
+  st.counts = layout.f32(f, L::kCounts);
+  st.w0 = layout.f32(f, L::kW0);
+  st.k2 = layout.f32(f, L::kK2);
+  st.z = layout.f32(f, L::kZ);
+  st.ns.a = layout.f32(f, L::kNsA);
+  st.ns.s = layout.f32(f, L::kNsS);
+  st.ns.zs_all = layout.f32(f, L::kNsZs);
+  st.ns.k2_input = in.kappa > 0.0 ? st.k2 : at::Tensor();
+  st.lse3 = layout.f32(f, L::kLse3);
+}
+
+// The landmark keys per q head (st.k_land_g) once st.k_land holds them; without a mask they are the keys (absent
+// from the state).
+inline void group_landmark_keys(const Inputs& in, State& st) {
+  st.k_land_g = group(in, st.k_land);
+  if (!in.mask.defined()) st.keys = st.k_land_g.contiguous();
+}
+
+// A fresh state for `in` (uninitialised: the forward's kernels fill it).
+inline State new_state(const Inputs& in) {
+  State st;
+  st.tensors = StateLayout(in).allocate(in.q.options(), c10::cuda::getCurrentCUDAStream(in.q.device().index()));
+  bind_views(in, st);
+  return st;
+}
 
 // kernel<<<grid, threads, bytes, stream>>>(arg) with its dynamic shared memory opted in (needed above 48 KB).
 template <typename Arg>
@@ -198,46 +339,36 @@ void by_landmarks(int64_t m, Launch launch) {
   else launch(std::integral_constant<int, 8>{});
 }
 
-// The inverse kernel's parameters and the buffers they point to (kept alive until the kernels have run).
+// The inverse kernel's parameters and its scratch (kept alive until the kernels have run).
 struct InverseStage {
   InvParams ip{};
-  at::Tensor scratch, zs;
+  at::Tensor scratch;
 };
 
-// K2 and Z (reference.k2_inverse) by nystrom_inverse_fwd_kernel, one block per (b, q head), enqueued on `side`: it
-// needs the landmarks only, so it runs beside K3's kernels. With `save` also the NS iterates, A and ‖A‖₁‖A‖∞ for
-// the backward. Every buffer is allocated on the caller's stream, before the side stream's work.
+// K2, Z, the Newton–Schulz iterates, A and ‖A‖₁‖A‖∞ (reference.k2_inverse; into st's views) by
+// nystrom_inverse_fwd_kernel, one block per (b, q head), enqueued on `side`: it needs the landmarks only, so it runs
+// beside K3's kernels. Every buffer is allocated on the caller's stream, before the side stream's work.
 template <int D>
-InverseStage inverse_stage(const Inputs& in, State& st, bool save, const SideStream& side) {
-  const auto f32 = in.q.options().dtype(at::kFloat);
-  const int64_t B = in.batch, H = in.hq, m = in.m, bh = B * H;
+InverseStage inverse_stage(const Inputs& in, State& st, const SideStream& side) {
+  const int64_t m = in.m, bh = in.batch * in.hq;
   InverseStage stage;
   InvParams& ip = stage.ip;
-  st.k2 = at::empty({B, H, m, m}, f32);
-  st.z = at::empty({B, H, m, m}, f32);
   ip.q_land = st.q_land.data_ptr<float>();
   ip.k_land = st.k_land.data_ptr<float>();
   ip.k2 = st.k2.data_ptr<float>();
   ip.z = st.z.data_ptr<float>();
-  ip.hq = static_cast<int>(H);
+  ip.zs = st.ns.zs_all.data_ptr<float>();
+  ip.a = st.ns.a.data_ptr<float>();
+  ip.s = st.ns.s.data_ptr<float>();
+  ip.hq = static_cast<int>(in.hq);
   ip.groups = static_cast<int>(in.groups);
   ip.m = static_cast<int>(m);
   ip.iters = in.iters;
   ip.ridge = in.kappa > 0.0;
   ip.kappa = static_cast<float>(in.kappa);
   if (m > 64) {
-    stage.scratch = at::empty({bh, 2, 128, 128}, f32);
+    stage.scratch = at::empty({bh, 2, 128, 128}, in.q.options().dtype(at::kFloat));
     ip.scratch = stage.scratch.data_ptr<float>();
-  }
-  if (save) {
-    stage.zs = at::empty({B, H, in.iters + 1, m, m}, f32);
-    st.ns.a = at::empty({B, H, m, m}, f32);
-    st.ns.s = at::empty({B, H, 1, 1}, f32);
-    ip.zs = stage.zs.data_ptr<float>();
-    ip.a = st.ns.a.data_ptr<float>();
-    ip.s = st.ns.s.data_ptr<float>();
-    st.ns.zs_all = stage.zs;
-    if (in.kappa > 0.0) st.ns.k2_input = st.k2;
   }
   side.run([&](cudaStream_t side_stream) {
     by_landmarks(m, [&](auto tm) {
@@ -249,11 +380,9 @@ InverseStage inverse_stage(const Inputs& in, State& st, bool save, const SideStr
   return stage;
 }
 
-// W = Z W0 (B, Hq, m, D) by nystrom_w_fwd_kernel, after the inverse stage's Z.
+// W = Z W0 (B, Hq, m, D) into `w` by nystrom_w_fwd_kernel, after the inverse stage's Z.
 template <int D>
-at::Tensor z_times_w0(const Inputs& in, InverseStage& stage, const at::Tensor& w0_in, cudaStream_t stream) {
-  const at::Tensor w0 = w0_in.contiguous();
-  at::Tensor w = at::empty({in.batch, in.hq, in.m, in.d}, in.q.options().dtype(at::kFloat));
+void z_times_w0(const Inputs& in, InverseStage& stage, const at::Tensor& w0, const at::Tensor& w, cudaStream_t stream) {
   InvParams& ip = stage.ip;
   ip.w0 = w0.data_ptr<float>();
   ip.w = w.data_ptr<float>();
@@ -262,33 +391,25 @@ at::Tensor z_times_w0(const Inputs& in, InverseStage& stage, const at::Tensor& w
     launch_dynamic(nystrom_w_fwd_kernel<TM, D>, dim3(static_cast<unsigned>(in.batch * in.hq)), kThreads,
                    w_smem_bytes<TM, D>(), ip, stream);
   });
-  return w;
 }
 
-// Real-token positions (with a mask) and, when N > m, the landmarks; fills the kernels' pointers in in.p.
+// Real-token positions (with a mask) and, when N > m, the landmarks, into a new state; fills the kernels' pointers
+// in in.p.
 template <typename T, int D>
 State landmark_state(Inputs& in, cudaStream_t stream) {
-  State st;
+  State st = new_state(in);
   Params& p = in.p;
-  const auto i32 = in.q.options().dtype(at::kInt);
-  const auto f32 = in.q.options().dtype(at::kFloat);
   if (in.mask.defined()) {
-    st.cumsum = in.mask.to(at::kInt).cumsum(1, at::kInt).contiguous();
-    st.n_real = st.cumsum.select(1, in.n - 1).contiguous();
-    st.pos = at::zeros({in.batch, in.n}, i32);
+    at::cumsum_out(st.cumsum, in.mask, 1, at::kInt);
+    st.n_real.copy_(st.cumsum.select(1, in.n - 1));
     const int64_t total = in.batch * in.n;
     nystrom_positions_fwd_kernel<<<static_cast<unsigned>(div_up(total, kThreads)), kThreads, 0, stream>>>(
-        p.mask, p.mask_stride, st.cumsum.data_ptr<int>(), st.pos.data_ptr<int>(), total, p.n);
+        p.mask, p.mask_stride, st.cumsum.data_ptr<int>(), st.pos.zero_().data_ptr<int>(), total, p.n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     p.n_real = st.n_real.data_ptr<int>();
     p.pos = st.pos.data_ptr<int>();
   }
-  st.nystrom = in.n > in.m;
-  st.slots = std::min(in.m, in.n);
   if (!st.nystrom) return st;
-  st.q_land = at::empty({in.batch, in.hq, in.m, in.d}, f32);
-  st.k_land = at::empty({in.batch, in.hkv, in.m, in.d}, f32);
-  st.counts = at::empty({in.batch, in.m}, f32);
   p.q_land = st.q_land.data_ptr<float>();
   p.k_land = st.k_land.data_ptr<float>();
   p.counts = st.counts.data_ptr<float>();
@@ -377,11 +498,11 @@ void launch_query_tiles(void (*one)(Arg), int one_bytes, void (*two)(Arg), int t
   else launch_dynamic(one, grid, tc::kThreads, one_bytes, arg, stream);
 }
 
-// W0 = K3 v (B, Hq, m, D): split-N partials from nystrom_k3_tc_fwd_kernel (or nystrom_k3_fwd_kernel), merged in a
-// fixed order by nystrom_k3_merge_fwd_kernel. With `lse`, also the base-2 log-sum-exp of each landmark's scores over
-// the real keys (B, Hq, m): K3 = exp2(s - lse).
+// W0 = K3 v (B, Hq, m, D) into st.w0: split-N partials from nystrom_k3_tc_fwd_kernel (or nystrom_k3_fwd_kernel),
+// merged in a fixed order by nystrom_k3_merge_fwd_kernel, which also writes st.lse3, the base-2 log-sum-exp of each
+// landmark's scores over the real keys (B, Hq, m): K3 = exp2(s - lse3).
 template <typename T, int D>
-at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr) {
+void k3_values(Inputs& in, State& st, cudaStream_t stream) {
   Params& p = in.p;
   const TileKernel<Params> k3 = row_tiled_or(
       in.m,
@@ -391,23 +512,18 @@ at::Tensor k3_values(Inputs& in, cudaStream_t stream, at::Tensor* lse = nullptr)
   const int64_t bh = in.batch * in.hq, ltiles = div_up(in.m, k3.rows);
   const auto [splits, chunk] = split_plan(in.n, k3.step, ltiles * bh, k3.resident());
   const auto f32 = in.q.options().dtype(at::kFloat);
-  at::Tensor part_max = at::empty({splits, bh, in.m}, f32);
-  at::Tensor part_sum = at::empty({splits, bh, in.m}, f32);
-  at::Tensor part_acc = at::empty({splits, bh, in.m, in.d}, f32);
+  const int64_t rows = bh * in.m;
+  const at::Tensor parts = at::empty({splits * rows * (in.d + 2)}, f32);  // acc (splits, rows, D), max, sum (splits, rows)
   p.splits = static_cast<int>(splits);
   p.chunk = static_cast<int>(chunk);
-  p.part_max = part_max.data_ptr<float>();
-  p.part_sum = part_sum.data_ptr<float>();
-  p.part_acc = part_acc.data_ptr<float>();
+  p.part_acc = parts.data_ptr<float>();
+  p.part_max = p.part_acc + splits * rows * in.d;
+  p.part_sum = p.part_max + splits * rows;
   k3.launch(dim3(static_cast<unsigned>(splits), static_cast<unsigned>(ltiles), static_cast<unsigned>(bh)), p, stream);
-  at::Tensor w0 = at::empty({in.batch, in.hq, in.m, in.d}, f32);
-  if (lse != nullptr) *lse = at::empty({in.batch, in.hq, in.m}, f32);
-  const int64_t rows = bh * in.m;
   nystrom_k3_merge_fwd_kernel<<<static_cast<unsigned>(div_up(rows * in.d / 4, kThreads)), kThreads, 0, stream>>>(
       p.part_max, p.part_sum, p.part_acc, static_cast<int>(splits), rows, static_cast<int>(in.d),
-      w0.data_ptr<float>(), lse != nullptr ? lse->data_ptr<float>() : nullptr);
+      st.w0.data_ptr<float>(), st.lse3.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return w0;
 }
 
 // The output kernel's key/value buffers in in.p.
@@ -418,119 +534,70 @@ inline void bind_buffers(Inputs& in, const State& st) {
   in.p.slots = static_cast<int>(st.slots);
 }
 
-// K2, Z, W = Z W0 and the output kernel's key/value buffers (landmarks where n > m, real tokens where n <= m);
-// `w0_of()` enqueues K3's kernels on `stream` and returns W0 = K3 v (called where n > m only, while the inverse
-// kernel runs on a side stream); `save`: keep what the backward needs (st.k2, st.z, st.ns).
-template <int D, typename W0Of>
-void finish_state(Inputs& in, State& st, W0Of w0_of, bool save, cudaStream_t stream) {
-  const auto i32 = in.q.options().dtype(at::kInt);
+// K2, Z, W = Z W0 and the output kernel's key/value buffers (landmarks where n > m, real tokens where n <= m) into
+// st's views: K3's kernels on `stream` while the inverse kernel runs on a side stream.
+template <typename T, int D>
+void finish_state(Inputs& in, State& st, cudaStream_t stream) {
   const auto i64 = in.q.options().dtype(at::kLong);
+  const int64_t B = in.batch;
   const bool need_exact = !st.nystrom || in.mask.defined();
   at::Tensor kg, vg, nvalid_exact;
   if (need_exact) {  // the first `slots` real tokens of each sequence
     const at::Tensor gpos = in.mask.defined() ? st.pos.slice(1, 0, st.slots).to(at::kLong)
-                                              : at::arange(st.slots, i64).unsqueeze(0).expand({in.batch, st.slots});
-    const at::Tensor idx = gpos.view({in.batch, 1, st.slots, 1}).expand({in.batch, in.hkv, st.slots, in.d});
+                                              : at::arange(st.slots, i64).unsqueeze(0).expand({B, st.slots});
+    const at::Tensor idx = gpos.view({B, 1, st.slots, 1}).expand({B, in.hkv, st.slots, in.d});
     kg = group(in, in.k.gather(2, idx).to(at::kFloat).mul(in.root));
     vg = group(in, in.v.gather(2, idx).to(at::kFloat));
-    nvalid_exact = in.mask.defined() ? st.n_real.clamp_max(st.slots).to(at::kInt)
-                                     : at::full({in.batch}, st.slots, i32);
+    nvalid_exact = in.mask.defined() ? st.n_real.clamp_max(st.slots) : at::full({B}, st.slots, st.nvalid.options());
   }
   if (!st.nystrom) {
-    st.exact = at::full({in.batch}, true, in.q.options().dtype(at::kBool));
-    st.keys = kg.contiguous();
-    st.vals = vg.contiguous();
-    st.nvalid = nvalid_exact.contiguous();
+    st.exact.fill_(true);
+    st.keys.copy_(kg);
+    st.vals.copy_(vg);
+    st.nvalid.copy_(nvalid_exact);
   } else {
-    st.k_land_g = group(in, st.k_land);
+    group_landmark_keys(in, st);
     const SideStream side(c10::cuda::getCurrentCUDAStream(in.q.device().index()), side_stream_enabled());
-    InverseStage inverse = inverse_stage<D>(in, st, save, side);
-    st.w0 = w0_of();
+    InverseStage inverse = inverse_stage<D>(in, st, side);
+    k3_values<T, D>(in, st, stream);
     side.join();
-    const at::Tensor w = z_times_w0<D>(in, inverse, st.w0, stream);
     if (in.mask.defined()) {
-      st.exact = st.n_real.le(in.m);
-      const at::Tensor ex = st.exact.view({in.batch, 1, 1, 1});
-      st.keys = at::where(ex, kg, st.k_land_g).contiguous();
-      st.vals = at::where(ex, vg, w).contiguous();
-      st.nvalid = at::where(st.exact, nvalid_exact, at::full({in.batch}, in.m, i32)).to(at::kInt).contiguous();
+      const at::Tensor w = at::empty_like(st.vals);
+      z_times_w0<D>(in, inverse, st.w0, w, stream);
+      at::le_out(st.exact, st.n_real, in.m);
+      const at::Tensor ex = st.exact.view({B, 1, 1, 1});
+      at::where_out(st.keys, ex, kg, st.k_land_g);
+      at::where_out(st.vals, ex, vg, w);
+      st.nvalid.copy_(at::where(st.exact, nvalid_exact, in.m));
     } else {
-      st.exact = at::full({in.batch}, false, in.q.options().dtype(at::kBool));
-      st.keys = st.k_land_g.contiguous();
-      st.vals = w.contiguous();
-      st.nvalid = at::full({in.batch}, in.m, i32);
+      z_times_w0<D>(in, inverse, st.w0, st.vals, stream);
+      C10_CUDA_CHECK(cudaMemsetAsync(st.exact.data_ptr(), 0, B, stream));
+      st.nvalid.fill_(in.m);
     }
   }
   bind_buffers(in, st);
 }
 
-// The forward's state, the second output of hfab::nystrom_fwd, so that its backward recomputes nothing: kStateSize
-// tensors in this order, an absent one as an empty tensor (no mask: the three mask entries; N <= m: every landmark
-// entry; N > m without a mask: keys, which are the landmarks), none at all when q is empty. The fake impl
-// (`_state_like` in ops/nystrom/op.py) mirrors these shapes and dtypes.
-enum StateSlot : int {
-  kExact, kNvalid, kKeys, kVals, kCumsum, kNReal, kPos,                 // every sequence
-  kQLand, kKLand, kCounts, kW0, kK2, kZ, kNsA, kNsS, kNsZs, kLse3,      // landmark sequences (N > m)
-  kLse1,                                                                // every sequence: (B, Hq, N) row_lse
-  kStateSize
-};
-
-inline std::vector<at::Tensor> pack_state(const Inputs& in, const State& st, const at::Tensor& lse3) {
-  const auto none = [&](at::ScalarType dtype) { return at::empty({0}, in.q.options().dtype(dtype)); };
-  const auto f32 = [&](const at::Tensor& t) { return st.nystrom ? t : none(at::kFloat); };
-  const auto i32 = [&](const at::Tensor& t) { return in.mask.defined() ? t : none(at::kInt); };
-  return {st.exact, st.nvalid, st.nystrom && !in.mask.defined() ? none(at::kFloat) : st.keys, st.vals,
-          i32(st.cumsum), i32(st.n_real), i32(st.pos),
-          f32(st.q_land), f32(st.k_land), f32(st.counts), f32(st.w0), f32(st.k2), f32(st.z), f32(st.ns.a),
-          f32(st.ns.s), f32(st.ns.zs_all), f32(lse3), st.lse1};
-}
-
-// `st`, `lse3` and the kernels' pointers in in.p from pack_state's tensors (the backward's alternative to
-// recomputing them).
-inline void unpack_state(const char* op, Inputs& in, State& st, at::Tensor& lse3, at::TensorList saved) {
-  TORCH_CHECK(saved.size() == kStateSize, op, ": state holds ", saved.size(), " tensors; expected ", kStateSize,
-              " (the second output of hfab::nystrom_fwd on the same inputs) or none (the backward recomputes it)");
-  st.nystrom = in.n > in.m;
-  st.slots = std::min(in.m, in.n);
-  const at::Tensor& vals = saved[kVals];
-  TORCH_CHECK(vals.dim() == 4 && vals.size(0) == in.batch && vals.size(1) == in.hq && vals.size(2) == st.slots &&
-                  vals.size(3) == in.d && vals.scalar_type() == at::kFloat && vals.is_contiguous() &&
-                  vals.device() == in.q.device(),
-              op, ": state does not belong to these inputs (value buffer ", vals.sizes(), ", expected [", in.batch,
-              ", ", in.hq, ", ", st.slots, ", ", in.d, "] fp32 on ", in.q.device(), ")");
-  st.exact = saved[kExact];
-  st.nvalid = saved[kNvalid];
-  st.vals = vals;
-  st.lse1 = saved[kLse1];
-  TORCH_CHECK(st.lse1.sizes() == at::IntArrayRef({in.batch, in.hq, in.n}) && st.lse1.scalar_type() == at::kFloat &&
-                  st.lse1.is_contiguous(),
-              op, ": state does not belong to these inputs (row log-sum-exp ", st.lse1.sizes(), ", expected [",
-              in.batch, ", ", in.hq, ", ", in.n, "] fp32)");
+// The forward's state from hfab::nystrom_bwd's `state` argument (StateLayout's two tensors), its views in `st` and
+// the kernels' pointers in in.p.
+inline void unpack_state(const char* op, Inputs& in, State& st, at::TensorList saved) {
+  const StateLayout layout(in);
+  TORCH_CHECK(layout.matches(saved, in.q.device()), op, ": state does not belong to these inputs: expected the two "
+              "tensors of hfab::nystrom_fwd's second output on the same inputs (fp32 [", layout.f32_length(),
+              "], int32 [", layout.i32_length(), "] on ", in.q.device(), "), or none (the backward recomputes it); got ",
+              saved.size(), " tensors");
+  st.tensors = saved.vec();
+  bind_views(in, st);
   if (in.mask.defined()) {
-    st.cumsum = saved[kCumsum];
-    st.n_real = saved[kNReal];
-    st.pos = saved[kPos];
     in.p.n_real = st.n_real.data_ptr<int>();
     in.p.pos = st.pos.data_ptr<int>();
   }
   if (st.nystrom) {
-    st.q_land = saved[kQLand];
-    st.k_land = saved[kKLand];
-    st.counts = saved[kCounts];
-    st.w0 = saved[kW0];
-    st.k2 = saved[kK2];
-    st.z = saved[kZ];
-    st.ns.a = saved[kNsA];
-    st.ns.s = saved[kNsS];
-    st.ns.zs_all = saved[kNsZs];
-    if (in.kappa > 0.0) st.ns.k2_input = st.k2;
-    st.k_land_g = group(in, st.k_land);
-    lse3 = saved[kLse3];
+    group_landmark_keys(in, st);
     in.p.q_land = st.q_land.data_ptr<float>();
     in.p.k_land = st.k_land.data_ptr<float>();
     in.p.counts = st.counts.data_ptr<float>();
   }
-  st.keys = st.nystrom && !in.mask.defined() ? st.k_land_g.contiguous() : saved[kKeys];
   bind_buffers(in, st);
 }
 

@@ -44,28 +44,25 @@ nystrom_bwd = cpu_op("nystrom_bwd", _nystrom_bwd)
 
 def _state_like(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], num_landmarks: int,
                 newton_iter: int) -> list[Tensor]:
-    """Empty tensors shaped like the CUDA forward's state (csrc/nystrom/nystrom_host.cuh, ``pack_state``, same
-    order); [] where the reference runs (CPU, or CUDA without the compiled kernel) and for an empty q."""
+    """Empty tensors shaped like the CUDA forward's state: an fp32 and an int32 vector, each a row of regions
+    rounded up to 4 elements (csrc/nystrom/nystrom_host.cuh, ``StateLayout``, same lengths); [] where the reference
+    runs (CPU, or CUDA without the compiled kernel) and for an empty q."""
     if q.device.type != "cuda" or q.numel() == 0 or not has_cuda_kernel("hfab::nystrom_fwd"):
         return []
     b, hq, n, d = q.shape
     hkv, m = k.shape[1], num_landmarks
     landmarks, masked, slots = n > m, key_padding_mask is not None, min(m, n)
+    land = int(landmarks)
+    f32 = [(masked or not landmarks) * b * hq * slots * d, b * hq * slots * d, b * hq * n,
+           land * b * hq * m * d, land * b * hkv * m * d, land * b * m, land * b * hq * m * d,
+           land * b * hq * m * m, land * b * hq * m * m, land * b * hq * m * m, land * b * hq,
+           land * b * hq * (newton_iter + 1) * m * m, land * b * hq * m]
+    i32 = [-(-b // 4), b, masked * b * n, masked * b, masked * b * n]  # exact: b bytes
 
-    def f32(*shape, present=True):
-        return q.new_empty(shape if present else (0,), dtype=torch.float32)
+    def length(regions):
+        return sum(-(-r // 4) * 4 for r in regions)
 
-    def i32(*shape):
-        return q.new_empty(shape if masked else (0,), dtype=torch.int32)
-
-    return [q.new_empty((b,), dtype=torch.bool), q.new_empty((b,), dtype=torch.int32),
-            f32(b, hq, slots, d, present=masked or not landmarks), f32(b, hq, slots, d),
-            i32(b, n), i32(b), i32(b, n),
-            f32(b, hq, m, d, present=landmarks), f32(b, hkv, m, d, present=landmarks), f32(b, m, present=landmarks),
-            f32(b, hq, m, d, present=landmarks), f32(b, hq, m, m, present=landmarks),
-            f32(b, hq, m, m, present=landmarks), f32(b, hq, m, m, present=landmarks),
-            f32(b, hq, 1, 1, present=landmarks), f32(b, hq, newton_iter + 1, m, m, present=landmarks),
-            f32(b, hq, m, present=landmarks), f32(b, hq, n)]
+    return [q.new_empty(length(f32), dtype=torch.float32), q.new_empty(length(i32), dtype=torch.int32)]
 
 
 @nystrom_fwd.register_fake

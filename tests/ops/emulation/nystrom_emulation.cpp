@@ -17,6 +17,9 @@ namespace tc {
 // the kernels' dynamic shared memory (`extern __shared__`; see stieltjes_emulation.cpp for -fno-extern-tls-init)
 alignas(16) thread_local unsigned char smem[228 * 1024];
 }  // namespace tc
+// the landmark-stage kernels' (at most m 128, D 128: 128 x 257 floats)
+constexpr int kLandmarkSmemFloats = 128 * 257;
+alignas(16) thread_local float4 landmark_smem[kLandmarkSmemFloats / 4];
 }  // namespace nystrom
 }  // namespace hfab
 
@@ -286,3 +289,59 @@ extern "C" int nystrom_landmark_fwd(int bf16, int d, int b, int hq, int hkv, int
 }
 
 
+
+// The m x m stage before the Newton–Schulz VJP: part_dkeys, part_dvals (a_splits, B Hq, slots, D); w0 (B Hq, m, D),
+// z, dz (B Hq, m, m); dkeys_kv, dvals_kv (B, Hkv, slots, D); dw0 (B Hq, m, D), rowdot (B Hq, m), dkl (B, Hkv, m, D).
+extern "C" int nystrom_landmark_vjp(int d, int b, int hq, int hkv, int m, int slots, int a_splits, int landmarks,
+                                    const unsigned char* exact, const float* part_dkeys, const float* part_dvals,
+                                    const float* w0, const float* z, float* dkeys_kv, float* dvals_kv, float* dz,
+                                    float* dw0, float* rowdot, float* dkl) {
+  LandmarkParams lp{};
+  lp.hq = hq;
+  lp.groups = hq / hkv;
+  lp.m = m;
+  lp.slots = slots;
+  lp.a_splits = a_splits;
+  lp.landmarks = landmarks != 0;
+  lp.exact = exact;
+  lp.part_dkeys = part_dkeys;
+  lp.part_dvals = part_dvals;
+  lp.dkeys_kv = dkeys_kv;
+  lp.dvals_kv = dvals_kv;
+  lp.w0 = w0;
+  lp.z = z;
+  lp.dz = dz;
+  lp.dw0 = dw0;
+  lp.rowdot = rowdot;
+  lp.dkl = dkl;
+  return emu::dispatch(0, d, [&]<typename T, int D>() {
+    if (landmark_vjp_smem_bytes<D>(m) > kLandmarkSmemFloats * 4) return false;
+    return emu::launch(dim3(hq, b), kThreads, [&] { nystrom_landmark_vjp_bwd_kernel<D>(lp); });
+  });
+}
+
+// The m x m stage after it: k2, dk2 (B Hq, m, m); q_land (B Hq, m, D), k_land (B, Hkv, m, D); part_dql (b_splits,
+// B Hq, m, D); dql (B Hq, m, D); with add_vjp_to_dkl dkl += the VJP part of d K̃, else dkl_vjp = it (B, Hkv, m, D).
+extern "C" int nystrom_landmark_grads(int d, int b, int hq, int hkv, int m, int b_splits, int add_vjp_to_dkl,
+                                      const float* k2, const float* dk2, const float* q_land, const float* k_land,
+                                      const float* part_dql, float* dql, float* dkl, float* dkl_vjp) {
+  LandmarkParams lp{};
+  lp.hq = hq;
+  lp.groups = hq / hkv;
+  lp.m = m;
+  lp.b_splits = b_splits;
+  lp.landmarks = true;
+  lp.add_vjp_to_dkl = add_vjp_to_dkl != 0;
+  lp.k2 = k2;
+  lp.dk2 = dk2;
+  lp.q_land = q_land;
+  lp.k_land = k_land;
+  lp.part_dql = part_dql;
+  lp.dql = dql;
+  lp.dkl = dkl;
+  lp.dkl_vjp = dkl_vjp;
+  return emu::dispatch(0, d, [&]<typename T, int D>() {
+    if (landmark_grads_smem_bytes<D>(m) > kLandmarkSmemFloats * 4) return false;
+    return emu::launch(dim3(hkv, b), kThreads, [&] { nystrom_landmark_grads_bwd_kernel<D>(lp); });
+  });
+}
