@@ -10,6 +10,8 @@
 #include <ATen/ops/stack.h>
 #include <torch/library.h>
 
+#include <initializer_list>
+
 #include "nystrom/nystrom_bwd_kernels.cuh"
 #include "nystrom/nystrom_host.cuh"
 #include "nystrom/nystrom_tc_bwd_kernels.cuh"
@@ -32,6 +34,18 @@ struct Carve {
 
 dim3 grid_of(int64_t x, int64_t y, int64_t z) {
   return dim3(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(z));
+}
+
+// Σ of `splits` partials (splits, count) into the first, in order, for one or two arrays of that shape.
+void sum_splits(std::initializer_list<float*> parts, int64_t count, int64_t splits, cudaStream_t stream) {
+  if (splits == 1) return;
+  SplitSums s{};
+  int i = 0;
+  for (float* part : parts) s.part[i++] = part;
+  s.count = count;
+  s.splits = static_cast<int>(splits);
+  nystrom_split_sum_bwd_kernel<<<grid_of(div_up(count / 4, kThreads), i, 1), kThreads, 0, stream>>>(s);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // dA of NS(A) given dZ_iters, by nystrom_ns_bwd_kernel: back through every step, then the ‖A‖₁‖A‖∞ normalisation
@@ -109,19 +123,21 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, cudaStream_t st
         cuda_core<typename K1Tiles<D>::Smem>(nystrom_k1_bwd_kernel<T, D>, K1Tiles<D>::BL, K1Tiles<D>::BQ), device);
   };
   TileKernel<BwdParams> k1 = pick_k1.template operator()<true>();
-  const bool fused_k1 = st.lse1.defined() && k1.tensor_cores && div_up(S, k1.rows) == 1;
+  const bool fused_k1 = st.lse1_saved && k1.tensor_cores && div_up(S, k1.rows) == 1;
   if (!fused_k1) k1 = pick_k1.template operator()<false>();
   const int64_t stiles = div_up(S, k1.rows), hkv = in.hkv;
   const auto [a_splits, a_chunk] = split_plan(N, k1.step, stiles * bh, k1.resident());
-  // fp32 scratch: the row statistics (lse1: the forward's rows where k1 sums Δ1, else the row-statistics kernel's),
-  // k1's partial buffer gradients, their sums per kv head, and the landmark stage's products
+  // fp32 scratch: the row statistics (lse1: the forward's rows where k1 sums Δ1, else the row-statistics kernel's, in
+  // the state's region when the state is this call's), k1's partial buffer gradients, their sums per kv head, and
+  // the landmark stage's products
   Carve carve;
-  const int64_t buffer = S * in.d, land = st.nystrom ? m * in.d : 0;
-  const int64_t at_lse1 = carve(fused_k1 ? 0 : bh * N), at_delta1 = carve(bh * N);
+  const int64_t buffer = S * in.d, land = st.nystrom ? m * in.d : 0, kv = in.groups > 1 ? B * hkv * buffer : 0;
+  const bool own_lse1 = !fused_k1 && st.lse1_saved;
+  const int64_t at_lse1 = carve(own_lse1 ? bh * N : 0), at_delta1 = carve(bh * N);
   const int64_t at_dkeys = carve(a_splits * bh * buffer), at_dvals = carve(a_splits * bh * buffer);
-  const int64_t at_dkeys_kv = carve(B * hkv * buffer), at_dvals_kv = carve(B * hkv * buffer);
+  const int64_t at_dkeys_kv = carve(kv), at_dvals_kv = carve(kv);
   const int64_t at_dw0 = carve(bh * land), at_rowdot = carve(st.nystrom ? bh * m : 0), at_dkl = carve(B * hkv * land);
-  const int64_t at_dql = carve(bh * land), at_dkl_vjp = carve(B * hkv * land);
+  const int64_t at_dkl_vjp = carve(B * hkv * land);
   const at::Tensor scratch = at::empty({carve.total}, f32);
   const auto ptr = [&](int64_t at) { return scratch.data_ptr<float>() + at; };
   BwdParams bp{};
@@ -130,7 +146,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, cudaStream_t st
   bp.cumsum = in.mask.defined() ? st.cumsum.data_ptr<int>() : nullptr;
   bp.exact = reinterpret_cast<const unsigned char*>(st.exact.data_ptr<bool>());
   bp.landmarks = st.nystrom;
-  bp.lse1 = fused_k1 ? st.lse1.data_ptr<float>() : ptr(at_lse1);
+  bp.lse1 = own_lse1 ? ptr(at_lse1) : st.lse1.data_ptr<float>();
   bp.delta1 = ptr(at_delta1);
   // Δ1 from k1 misses the rows of sequences without valid slots (only with a mask): 0 there, never read
   if (fused_k1 && in.mask.defined()) C10_CUDA_CHECK(cudaMemsetAsync(bp.delta1, 0, bh * N * 4, stream));
@@ -152,17 +168,17 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, cudaStream_t st
   bp.part_dkeys = ptr(at_dkeys);
   bp.part_dvals = ptr(at_dvals);
   k1.launch(grid_of(a_splits, stiles, bh), bp, stream);
+  sum_splits({bp.part_dkeys, bp.part_dvals}, bh * buffer, a_splits, stream);
   lp.hq = static_cast<int>(Hq);
   lp.groups = static_cast<int>(in.groups);
   lp.m = static_cast<int>(m);
   lp.slots = static_cast<int>(S);
-  lp.a_splits = static_cast<int>(a_splits);
   lp.landmarks = st.nystrom;
   lp.exact = bp.exact;
-  lp.part_dkeys = bp.part_dkeys;
-  lp.part_dvals = bp.part_dvals;
-  lp.dkeys_kv = ptr(at_dkeys_kv);
-  lp.dvals_kv = ptr(at_dvals_kv);
+  lp.dkeys = bp.part_dkeys;
+  lp.dvals = bp.part_dvals;
+  lp.dkeys_kv = in.groups > 1 ? ptr(at_dkeys_kv) : bp.part_dkeys;
+  lp.dvals_kv = in.groups > 1 ? ptr(at_dvals_kv) : bp.part_dvals;
   bp.dkeys_kv = lp.dkeys_kv;
   bp.dvals_kv = lp.dvals_kv;
   at::Tensor dz;
@@ -175,8 +191,10 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, cudaStream_t st
     lp.rowdot = ptr(at_rowdot);
     lp.dkl = ptr(at_dkl);
   }
-  launch_dynamic(nystrom_landmark_vjp_bwd_kernel<D>, grid_of(Hq, B, 1), kThreads,
-                 st.nystrom ? landmark_vjp_smem_bytes<D>(static_cast<int>(m)) : 0, lp, stream);
+  if (st.nystrom || in.groups > 1) {
+    launch_dynamic(nystrom_landmark_vjp_bwd_kernel<D>, grid_of(div_up(S, kLandmarkRows), Hq, B), kThreads,
+                   st.nystrom ? landmark_vjp_smem_bytes<D>(static_cast<int>(m)) : 0, lp, stream);
+  }
 
   const auto launch_key_gradients = [&] {
     // the group's landmarks staged once per block where they fit 64 rows (41 / 74 / 105 KB at D 32 / 64 / 128), else
@@ -234,6 +252,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, cudaStream_t st
     bp.b_chunk = static_cast<int>(b_chunk);
     bp.part_dql = part_dql.data_ptr<float>();
     k3.launch(grid_of(b_splits, ltiles, bh), bp, stream);
+    sum_splits({bp.part_dql}, bh * m * in.d, b_splits, stream);
     const bool late = late_key_pass(dk);
     bp.dkl = lp.dkl;
     if (late) launch_key_gradients();
@@ -243,12 +262,10 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, cudaStream_t st
     lp.dk2 = dk2.data_ptr<float>();
     lp.q_land = st.q_land.data_ptr<float>();
     lp.k_land = st.k_land.data_ptr<float>();
-    lp.b_splits = static_cast<int>(b_splits);
-    lp.part_dql = bp.part_dql;
-    lp.dql = ptr(at_dql);
+    lp.dql = bp.part_dql;
     lp.dkl_vjp = ptr(at_dkl_vjp);
-    launch_dynamic(nystrom_landmark_grads_bwd_kernel<D>, grid_of(hkv, B, 1), kThreads,
-                   landmark_grads_smem_bytes<D>(static_cast<int>(m)), lp, stream);
+    launch_dynamic(nystrom_landmark_grads_bwd_kernel<D>, grid_of(div_up(m, kLandmarkRows), hkv, B), kThreads,
+                   landmark_grads_smem_bytes(static_cast<int>(m)), lp, stream);
     if (late) add_segments(lp.dkl_vjp, dk);
     else launch_key_gradients();
     bp.dql = lp.dql;
@@ -300,7 +317,6 @@ Grads nystrom_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Te
     if (state.empty()) {
       st = landmark_state<T, D>(in, stream);
       finish_state<T, D>(in, st, stream);
-      st.lse1 = at::Tensor();  // no output kernel ran: the row statistics kernel computes it
     } else {
       unpack_state(kOp, in, st, state);
     }

@@ -21,6 +21,7 @@
 //   nystrom_dq_bwd_kernel     per query block: dq = √scale (dS1 keys + [landmark sequence, real token]
 //                             dQ̃[l(i)] / |segment l(i)|) in q.dtype
 //   nystrom_ns_bwd_kernel     per (b, q head): the Newton–Schulz VJP through every saved iterate (m x m)
+//   nystrom_split_sum_bwd_kernel  the split partials of k1 and K3's backward summed in order
 //   nystrom_landmark_vjp_bwd_kernel, nystrom_landmark_grads_bwd_kernel: the m x m products before and after it
 #pragma once
 
@@ -762,25 +763,51 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_ns_bwd_kernel(const NsBwd
   ns_normalisation_backward<TM>(p, a, gz, da, zb);
 }
 
+// k1's and K3's backward write split partials; nystrom_split_sum_bwd_kernel sums them into the first split in order
+// (part: (splits, count) fp32, count % 4 == 0, one or two arrays of that shape: gridDim.y), a float4 per thread.
+struct SplitSums {
+  float* part[2];
+  long long count;
+  int splits;
+};
+
+__global__ void __launch_bounds__(kThreads) nystrom_split_sum_bwd_kernel(const SplitSums s) {
+  const long long e = (long long)blockIdx.x * kThreads + threadIdx.x, stride = s.count / 4;
+  if (e >= stride) return;
+  float4* const part = reinterpret_cast<float4*>(s.part[blockIdx.y]) + e;
+  float4 acc = part[0];
+#pragma unroll 4
+  for (int i = 1; i < s.splits; ++i) {
+    const float4 x = part[i * stride];
+    acc.x += x.x;
+    acc.y += x.y;
+    acc.z += x.z;
+    acc.w += x.w;
+  }
+  part[0] = acc;
+}
+
 // The m x m products of the backward around the Newton–Schulz VJP, in two kernels (fp32 on CUDA cores, sums in a
-// fixed order), so that the host enqueues two launches instead of ~20 ATen ops:
-//   nystrom_landmark_vjp_bwd_kernel    per (q head, b): the buffer gradients summed over k1's splits; per kv head
-//                                      (its group's first q head) d keys and d vals summed over the group, and d K̃'s
-//                                      buffer part; landmark sequences: dW = d vals, dZ = dW W0ᵀ, dW0 = Zᵀ dW,
-//                                      rowdot = rowsum(dW0 ∘ W0)
-//   nystrom_landmark_grads_bwd_kernel  per (kv head, b), after the VJP's dK2ᵢ (gradient of K2's softmax output):
-//                                      dS2 = K2 ∘ (dK2ᵢ − rowsum(K2 ∘ dK2ᵢ)); per q head of the group dQ̃ = Σ splits of K3's
-//                                      partials + dS2 K̃; d K̃'s VJP part Σ_group dS2ᵀ Q̃ (written, or added to dkl)
+// fixed order), so that the host enqueues two launches instead of ~20 ATen ops. Grid (row blocks of
+// kLandmarkRows, heads, B), a warp per row:
+//   nystrom_landmark_vjp_bwd_kernel    per q head: (the group's first q head) d keys and d vals summed over the group
+//                                      (where groups > 1) and d K̃'s buffer part; landmark sequences: dW = d vals,
+//                                      dZ = dW W0ᵀ, dW0 = Zᵀ dW, rowdot = rowsum(dW0 ∘ W0)
+//   nystrom_landmark_grads_bwd_kernel  per kv head, after the VJP's dK2ᵢ (gradient of K2's softmax output): dS2 =
+//                                      K2 ∘ (dK2ᵢ − rowsum(K2 ∘ dK2ᵢ)); per q head of the group dQ̃ = K3's part + dS2 K̃
+//                                      (in place); d K̃'s VJP part Σ_group dS2ᵀ Q̃ (written, or added to dkl)
 // Sequences with n <= m real tokens (exact, only with a mask) take no landmark path: their dW rows and d K̃'s buffer
 // part are 0.
+constexpr int kLandmarkRows = 16;
+
 struct LandmarkParams {
-  int hq, groups, m, slots, a_splits, b_splits;
+  int hq, groups, m, slots;
   bool landmarks;               // N > m
   bool add_vjp_to_dkl;          // grads kernel: dkl += the VJP part (else dkl_vjp = it)
   const unsigned char* exact;   // (B,)
-  const float* part_dkeys;      // (a_splits, B Hq, slots, D)
-  const float* part_dvals;
-  float* dkeys_kv;              // (B, Hkv, slots, D)
+  const float* dkeys;           // (B Hq, slots, D): the buffer gradients (k1's split sums)
+  const float* dvals;
+  float* dkeys_kv;              // (B, Hkv, slots, D): summed over each kv head's q heads (written where groups > 1)
   float* dvals_kv;
   const float* w0;              // (B Hq, m, D)
   const float* z;               // (B Hq, m, m)
@@ -792,23 +819,14 @@ struct LandmarkParams {
   const float* dk2;             // (B Hq, m, m): the gradient of K2's softmax output
   const float* q_land;          // (B Hq, m, D)
   const float* k_land;          // (B, Hkv, m, D)
-  const float* part_dql;        // (b_splits, B Hq, m, D)
-  float* dql;                   // (B Hq, m, D)
+  float* dql;                   // (B Hq, m, D): K3's part of dQ̃ in, dQ̃ out
   float* dkl_vjp;               // (B, Hkv, m, D), unless add_vjp_to_dkl
 };
 
-// Dynamic shared memory of the two kernels: dW [m][D] and W0 [m][D + 1]; dS2 [m][m + 1] and the d K̃ sums [m][D].
+// Dynamic shared memory of the two kernels: dW [m][D] and W0 [m][D + 1]; dS2 [m][m + 1].
 template <int D>
 int landmark_vjp_smem_bytes(int m) { return m * (2 * D + 1) * 4; }
-template <int D>
-int landmark_grads_smem_bytes(int m) { return m * (m + 1 + D) * 4; }
-
-// Σ over `splits` partials `stride` floats apart, in order.
-__device__ __forceinline__ float sum_parts(const float* part, int splits, long long stride) {
-  float s = 0.f;
-  for (int i = 0; i < splits; ++i) s += part[i * stride];
-  return s;
-}
+inline int landmark_grads_smem_bytes(int m) { return m * (m + 1) * 4; }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -819,35 +837,37 @@ __device__ __forceinline__ float warp_sum(float v) {
 template <int D>
 __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_vjp_bwd_kernel(const LandmarkParams p) {
   extern __shared__ float4 landmark_smem[];
-  const int h = blockIdx.x, b = blockIdx.y, m = p.m;
-  const long long bh = (long long)b * p.hq + h, heads = (long long)gridDim.y * p.hq;
+  const int h = blockIdx.y, b = blockIdx.z, m = p.m, r0 = blockIdx.x * kLandmarkRows;
+  const int r1 = min(r0 + kLandmarkRows, p.slots);
+  const long long bh = (long long)b * p.hq + h, rows = (long long)p.slots * D;
   const bool exact = p.exact[b];
   if (h % p.groups == 0) {  // the kv head's sums over its q heads, in order
-    const long long bk = bh / p.groups, rows = (long long)p.slots * D, split = heads * rows;
-    for (int e = threadIdx.x; e < rows; e += kThreads) {
+    const long long bk = bh / p.groups;
+    for (int e = r0 * D + threadIdx.x; e < r1 * D; e += kThreads) {
       float dkeys = 0.f, dvals = 0.f;
       for (int g = 0; g < p.groups; ++g) {
-        dkeys += sum_parts(p.part_dkeys + (bh + g) * rows + e, p.a_splits, split);
-        dvals += sum_parts(p.part_dvals + (bh + g) * rows + e, p.a_splits, split);
+        dkeys += p.dkeys[(bh + g) * rows + e];
+        dvals += p.dvals[(bh + g) * rows + e];
       }
-      p.dkeys_kv[bk * rows + e] = dkeys;
-      p.dvals_kv[bk * rows + e] = dvals;
+      if (p.groups > 1) {
+        p.dkeys_kv[bk * rows + e] = dkeys;
+        p.dvals_kv[bk * rows + e] = dvals;
+      }
       if (p.landmarks) p.dkl[bk * rows + e] = exact ? 0.f : dkeys;
     }
   }
   if (!p.landmarks) return;
   float* const dw = reinterpret_cast<float*>(landmark_smem);  // [m][D]
   float* const w0 = dw + m * D;                                // [m][D + 1]
-  const long long rows = (long long)m * D;
   const float* w0g = p.w0 + bh * rows;
   for (int e = threadIdx.x; e < rows; e += kThreads) {
-    dw[e] = exact ? 0.f : sum_parts(p.part_dvals + bh * rows + e, p.a_splits, heads * rows);
+    dw[e] = exact ? 0.f : p.dvals[bh * rows + e];
     w0[e / D * (D + 1) + e % D] = w0g[e];
   }
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float* z = p.z + bh * m * m;
-  for (int i = warp; i < m; i += kThreads / 32) {
+  for (int i = r0 + warp; i < r1; i += kThreads / 32) {
     for (int j = lane; j < m; j += 32) {  // dZ[i, j] = dW[i] · W0[j]
       float s = 0.f;
 #pragma unroll 8
@@ -873,19 +893,19 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_vjp_bwd_kernel(c
 
 template <int D>
 __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_grads_bwd_kernel(const LandmarkParams p) {
+  constexpr int kPerWarp = kLandmarkRows / (kThreads / 32);
   extern __shared__ float4 landmark_smem[];
-  const int hk = blockIdx.x, b = blockIdx.y, m = p.m, ld = m + 1;
-  const long long bk = (long long)b * gridDim.x + hk, heads = (long long)gridDim.y * p.hq, rows = (long long)m * D;
+  const int hk = blockIdx.y, b = blockIdx.z, m = p.m, ld = m + 1, r0 = blockIdx.x * kLandmarkRows;
+  const long long bk = (long long)b * gridDim.y + hk, rows = (long long)m * D;
   float* const ds = reinterpret_cast<float*>(landmark_smem);  // [m][m + 1]
-  float* const dkl = ds + m * ld;                             // [m][D]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int e = threadIdx.x; e < rows; e += kThreads) dkl[e] = 0.f;
   const float* kl = p.k_land + bk * rows;
+  float dkl[kPerWarp][D / 32] = {};  // rows r0 + warp + 8 t of d K̃'s VJP part
   for (int g = 0; g < p.groups; ++g) {
     const long long bh = (long long)b * p.hq + hk * p.groups + g;
     const float* k2 = p.k2 + bh * m * m;
     const float* dk2 = p.dk2 + bh * m * m;
-    for (int i = warp; i < m; i += kThreads / 32) {  // softmax VJP, a warp per row
+    for (int i = warp; i < m; i += kThreads / 32) {  // softmax VJP of every row, a warp per row
       float t = 0.f;
       for (int j = lane; j < m; j += 32) t = fmaf(k2[i * m + j], dk2[i * m + j], t);
       t = warp_sum(t);
@@ -893,25 +913,35 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_grads_bwd_kernel
     }
     __syncthreads();
     const float* ql = p.q_land + bh * rows;
-    for (int i = warp; i < m; i += kThreads / 32) {  // row i of dQ̃ and of d K̃'s VJP part
+#pragma unroll
+    for (int t = 0; t < kPerWarp; ++t) {
+      const int i = r0 + warp + (kThreads / 32) * t;
+      if (i >= m) break;
 #pragma unroll
       for (int c = 0; c < D / 32; ++c) {
         const int d = lane + 32 * c;
-        float dq = sum_parts(p.part_dql + bh * rows + i * D + d, p.b_splits, heads * rows);
-        float dk = dkl[i * D + d];
+        float dq = p.dql[bh * rows + i * D + d];
+        float dk = dkl[t][c];
         for (int j = 0; j < m; ++j) {
           dq = fmaf(ds[i * ld + j], kl[j * D + d], dq);
           dk = fmaf(ds[j * ld + i], ql[j * D + d], dk);
         }
         p.dql[bh * rows + i * D + d] = dq;
-        dkl[i * D + d] = dk;
+        dkl[t][c] = dk;
       }
     }
     __syncthreads();
   }
-  for (int e = threadIdx.x; e < rows; e += kThreads) {
-    if (p.add_vjp_to_dkl) p.dkl[bk * rows + e] += dkl[e];
-    else p.dkl_vjp[bk * rows + e] = dkl[e];
+#pragma unroll
+  for (int t = 0; t < kPerWarp; ++t) {
+    const int i = r0 + warp + (kThreads / 32) * t;
+    if (i >= m) break;
+#pragma unroll
+    for (int c = 0; c < D / 32; ++c) {
+      const long long at = bk * rows + i * D + lane + 32 * c;
+      if (p.add_vjp_to_dkl) p.dkl[at] += dkl[t][c];
+      else p.dkl_vjp[at] = dkl[t][c];
+    }
   }
 }
 

@@ -254,7 +254,8 @@ struct State {
   NsSaved ns;
   int64_t slots = 0;               // rows of the key/value buffers: min(m, N)
   at::Tensor keys, vals, nvalid;   // (B, Hq, slots, D) fp32 contiguous; (B,) int32
-  at::Tensor lse1;                 // (B, Hq, N) fp32: the forward's output rows' row_lse; undefined when recomputed
+  at::Tensor lse1;                 // (B, Hq, N) fp32: the output rows' row_lse
+  bool lse1_saved = false;         // lse1 holds the forward's (else a backward that recomputed the state fills it)
 };
 
 // `st`'s views of its two tensors.
@@ -588,6 +589,7 @@ inline void unpack_state(const char* op, Inputs& in, State& st, at::TensorList s
               saved.size(), " tensors");
   st.tensors = saved.vec();
   bind_views(in, st);
+  st.lse1_saved = true;
   if (in.mask.defined()) {
     in.p.n_real = st.n_real.data_ptr<int>();
     in.p.pos = st.pos.data_ptr<int>();

@@ -519,52 +519,63 @@ def test_landmark_kernel_against_the_oracle(emulator, d, dtype, n, m, threads, p
 LANDMARK_RTOL = 1e-6
 
 
-@pytest.mark.parametrize("d, m, hq, hkv, a_splits, b_splits, add_vjp_to_dkl", [
-    (32, 16, 4, 2, 3, 2, False),   # GQA 2:1, several splits; the second sequence exact (no landmark path)
-    (64, 37, 2, 2, 1, 1, True),    # m not a multiple of 32; d K̃'s VJP part added to dkl
-    (128, 128, 2, 1, 2, 3, False),  # the largest m and D: 128 KB of shared memory per block
+@pytest.mark.parametrize("splits, arrays", [(1, 1), (3, 2), (7, 1)])
+def test_split_sum_kernel_against_the_oracle(emulator, splits, arrays):
+    """Each array's splits summed in order into its first split; the other splits untouched."""
+    gen = torch.Generator().manual_seed(splits)
+    parts = [torch.randn(splits, 3, 40, 32, generator=gen) for _ in range(arrays)]
+    before = [part.clone() for part in parts]
+    rc = emulator.nystrom_split_sum(ptr(parts[0]), ptr(parts[1]) if arrays == 2 else None,
+                                    ctypes.c_longlong(parts[0][0].numel()), splits)
+    check_rc(rc, "nystrom_split_sum")
+    for i, (part, old) in enumerate(zip(parts, before)):
+        assert_close_to_oracle(part[0], old.double().sum(0), rtol=1e-6, name=f"array {i}: the sum")
+        assert torch.equal(part[1:], old[1:]), f"array {i}: a later split changed"
+
+
+@pytest.mark.parametrize("d, m, hq, hkv, add_vjp_to_dkl", [
+    (32, 16, 4, 2, False),   # GQA 2:1; the second sequence exact (no landmark path)
+    (64, 37, 2, 2, True),    # m not a multiple of 16 (a partial row block); d K̃'s VJP part added to dkl
+    (128, 128, 2, 1, False),  # the largest m and D: 128 KB of shared memory per block; MQA 2:1
 ])
-def test_landmark_stage_kernels_against_the_oracle(emulator, d, m, hq, hkv, a_splits, b_splits, add_vjp_to_dkl):
-    """Before the Newton–Schulz VJP: d keys, d vals summed over k1's splits and each kv head's q heads, dZ = dW W0ᵀ,
+def test_landmark_stage_kernels_against_the_oracle(emulator, d, m, hq, hkv, add_vjp_to_dkl):
+    """Before the Newton–Schulz VJP: d keys, d vals summed over each kv head's q heads (where Hq > Hkv), dZ = dW W0ᵀ,
     dW0 = Zᵀ dW, rowdot = rowsum(dW0 ∘ W0), d K̃'s buffer part (dW and it zero for exact sequences). After it: dS2 =
-    K2 ∘ (dK2ᵢ - rowsum(K2 ∘ dK2ᵢ)), dQ̃ = Σ splits + dS2 K̃, d K̃'s VJP part Σ_group dS2ᵀ Q̃."""
+    K2 ∘ (dK2ᵢ - rowsum(K2 ∘ dK2ᵢ)), dQ̃ = K3's part + dS2 K̃, d K̃'s VJP part Σ_group dS2ᵀ Q̃."""
     b, groups = 2, hq // hkv
     gen = torch.Generator().manual_seed(d + m)
     rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float32)  # noqa: E731
     exact = torch.tensor([0, int(not add_vjp_to_dkl)], dtype=torch.uint8)
-    part_dkeys, part_dvals = rand(a_splits, b * hq, m, d), rand(a_splits, b * hq, m, d)
-    w0, z = rand(b * hq, m, d), rand(b * hq, m, m) / m
+    dkeys, dvals, w0, z = rand(b * hq, m, d), rand(b * hq, m, d), rand(b * hq, m, d), rand(b * hq, m, m) / m
     dkeys_kv, dvals_kv, dkl = (nan_like(w0, (b, hkv, m, d), torch.float32) for _ in range(3))
     dz, dw0, rowdot = (nan_like(w0, shape, torch.float32) for shape in ((b * hq, m, m), (b * hq, m, d), (b * hq, m)))
-    rc = emulator.nystrom_landmark_vjp(d, b, hq, hkv, m, m, a_splits, 1, ptr(exact), ptr(part_dkeys), ptr(part_dvals),
-                                       ptr(w0), ptr(z), ptr(dkeys_kv), ptr(dvals_kv), ptr(dz), ptr(dw0), ptr(rowdot),
-                                       ptr(dkl))
+    rc = emulator.nystrom_landmark_vjp(d, b, hq, hkv, m, ptr(exact), ptr(dkeys), ptr(dvals), ptr(w0), ptr(z),
+                                       ptr(dkeys_kv), ptr(dvals_kv), ptr(dz), ptr(dw0), ptr(rowdot), ptr(dkl))
     check_rc(rc, "nystrom_landmark_vjp")
     landmark = (1 - exact.double()).repeat_interleave(hq)[:, None, None]
     per_kv = lambda x: x.view(b, hkv, groups, m, -1).sum(2)  # noqa: E731
-    dkeys, dvals = part_dkeys.double().sum(0), part_dvals.double().sum(0)
-    dw = dvals * landmark
+    dw = dvals.double() * landmark
     want_dw0 = z.double().transpose(-1, -2) @ dw
     rtol = 1e-5
-    assert_close_to_oracle(dkeys_kv, per_kv(dkeys), rtol=rtol, name="d keys per kv head")
-    assert_close_to_oracle(dvals_kv, per_kv(dvals), rtol=rtol, name="d vals per kv head")
-    assert_close_to_oracle(dkl, per_kv(dkeys * landmark), rtol=rtol, name="d K̃, buffer part")
+    if groups > 1:
+        assert_close_to_oracle(dkeys_kv, per_kv(dkeys.double()), rtol=rtol, name="d keys per kv head")
+        assert_close_to_oracle(dvals_kv, per_kv(dvals.double()), rtol=rtol, name="d vals per kv head")
+    assert_close_to_oracle(dkl, per_kv(dkeys.double() * landmark), rtol=rtol, name="d K̃, buffer part")
     assert_close_to_oracle(dz, dw @ w0.double().transpose(-1, -2), rtol=rtol, name="dZ")
     assert_close_to_oracle(dw0, want_dw0, rtol=rtol, name="dW0")
     assert_close_to_oracle(rowdot, (want_dw0 * w0.double()).sum(-1), rtol=rtol, name="rowdot")
 
     k2 = torch.softmax(rand(b * hq, m, m), -1)
-    dk2, q_land, k_land = rand(b * hq, m, m), rand(b * hq, m, d), rand(b, hkv, m, d)
-    part_dql = rand(b_splits, b * hq, m, d)
-    dql, dkl_vjp = nan_like(w0, (b * hq, m, d), torch.float32), nan_like(w0, (b, hkv, m, d), torch.float32)
-    dkl_before = dkl.clone()
-    rc = emulator.nystrom_landmark_grads(d, b, hq, hkv, m, b_splits, int(add_vjp_to_dkl), ptr(k2), ptr(dk2),
-                                         ptr(q_land), ptr(k_land), ptr(part_dql), ptr(dql), ptr(dkl), ptr(dkl_vjp))
+    dk2, q_land, k_land, dql = rand(b * hq, m, m), rand(b * hq, m, d), rand(b, hkv, m, d), rand(b * hq, m, d)
+    dql_before, dkl_before = dql.clone(), dkl.clone()
+    dkl_vjp = nan_like(w0, (b, hkv, m, d), torch.float32)
+    rc = emulator.nystrom_landmark_grads(d, b, hq, hkv, m, int(add_vjp_to_dkl), ptr(k2), ptr(dk2), ptr(q_land),
+                                         ptr(k_land), ptr(dql), ptr(dkl), ptr(dkl_vjp))
     check_rc(rc, "nystrom_landmark_grads")
     k2d, dk2d = k2.double(), dk2.double()
     ds2 = k2d * (dk2d - (k2d * dk2d).sum(-1, keepdim=True))
     k_land_g = k_land.double().repeat_interleave(groups, 1).flatten(0, 1)
-    assert_close_to_oracle(dql, part_dql.double().sum(0) + ds2 @ k_land_g, rtol=rtol, name="dQ̃")
+    assert_close_to_oracle(dql, dql_before.double() + ds2 @ k_land_g, rtol=rtol, name="dQ̃")
     vjp_part = per_kv(ds2.transpose(-1, -2) @ q_land.double())
     if add_vjp_to_dkl:
         assert_close_to_oracle(dkl, dkl_before.double() + vjp_part, rtol=rtol, name="d K̃ with its VJP part")

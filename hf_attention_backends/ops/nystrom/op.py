@@ -42,27 +42,31 @@ nystrom_fwd = cpu_op("nystrom_fwd", _nystrom_fwd)
 nystrom_bwd = cpu_op("nystrom_bwd", _nystrom_bwd)
 
 
+def _state_lengths(b, hq, hkv, n, d, m, newton_iter, masked: bool) -> tuple:
+    """Lengths of the CUDA forward's two state vectors (fp32, int32): each a row of regions rounded up to 4 elements
+    (csrc/nystrom/nystrom_host.cuh, ``StateLayout``, same order); sizes may be symbolic."""
+    landmarks, slots = n > m, min(m, n)
+
+    def when(present, numel):
+        return numel if present else 0
+
+    f32 = [when(masked or not landmarks, b * hq * slots * d), b * hq * slots * d, b * hq * n,
+           *(when(landmarks, x) for x in (b * hq * m * d, b * hkv * m * d, b * m, b * hq * m * d, b * hq * m * m,
+                                          b * hq * m * m, b * hq * m * m, b * hq,
+                                          b * hq * (newton_iter + 1) * m * m, b * hq * m))]
+    i32 = [-(-b // 4), b, *(when(masked, x) for x in (b * n, b, b * n))]  # exact: b bytes
+    return tuple(sum(-(-r // 4) * 4 for r in regions) for regions in (f32, i32))
+
+
 def _state_like(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor], num_landmarks: int,
                 newton_iter: int) -> list[Tensor]:
-    """Empty tensors shaped like the CUDA forward's state: an fp32 and an int32 vector, each a row of regions
-    rounded up to 4 elements (csrc/nystrom/nystrom_host.cuh, ``StateLayout``, same lengths); [] where the reference
-    runs (CPU, or CUDA without the compiled kernel) and for an empty q."""
+    """Empty tensors shaped like the CUDA forward's state (``_state_lengths``); [] where the reference runs (CPU, or
+    CUDA without the compiled kernel) and for an empty q."""
     if q.device.type != "cuda" or q.numel() == 0 or not has_cuda_kernel("hfab::nystrom_fwd"):
         return []
     b, hq, n, d = q.shape
-    hkv, m = k.shape[1], num_landmarks
-    landmarks, masked, slots = n > m, key_padding_mask is not None, min(m, n)
-    land = int(landmarks)
-    f32 = [(masked or not landmarks) * b * hq * slots * d, b * hq * slots * d, b * hq * n,
-           land * b * hq * m * d, land * b * hkv * m * d, land * b * m, land * b * hq * m * d,
-           land * b * hq * m * m, land * b * hq * m * m, land * b * hq * m * m, land * b * hq,
-           land * b * hq * (newton_iter + 1) * m * m, land * b * hq * m]
-    i32 = [-(-b // 4), b, masked * b * n, masked * b, masked * b * n]  # exact: b bytes
-
-    def length(regions):
-        return sum(-(-r // 4) * 4 for r in regions)
-
-    return [q.new_empty(length(f32), dtype=torch.float32), q.new_empty(length(i32), dtype=torch.int32)]
+    f32, i32 = _state_lengths(b, hq, k.shape[1], n, d, num_landmarks, newton_iter, key_padding_mask is not None)
+    return [q.new_empty(f32, dtype=torch.float32), q.new_empty(i32, dtype=torch.int32)]
 
 
 @nystrom_fwd.register_fake

@@ -290,22 +290,28 @@ extern "C" int nystrom_landmark_fwd(int bf16, int d, int b, int hq, int hkv, int
 
 
 
-// The m x m stage before the Newton–Schulz VJP: part_dkeys, part_dvals (a_splits, B Hq, slots, D); w0 (B Hq, m, D),
-// z, dz (B Hq, m, m); dkeys_kv, dvals_kv (B, Hkv, slots, D); dw0 (B Hq, m, D), rowdot (B Hq, m), dkl (B, Hkv, m, D).
-extern "C" int nystrom_landmark_vjp(int d, int b, int hq, int hkv, int m, int slots, int a_splits, int landmarks,
-                                    const unsigned char* exact, const float* part_dkeys, const float* part_dvals,
-                                    const float* w0, const float* z, float* dkeys_kv, float* dvals_kv, float* dz,
-                                    float* dw0, float* rowdot, float* dkl) {
+// Σ of `splits` partials (splits, count) fp32 into the first, for one array or two (second != null).
+extern "C" int nystrom_split_sum(float* first, float* second, long long count, int splits) {
+  SplitSums s{{first, second}, count, splits};
+  const dim3 grid(emu::blocks(static_cast<int>(count / 4), kThreads), second != nullptr ? 2 : 1);
+  return emu::launch(grid, kThreads, [&] { nystrom_split_sum_bwd_kernel(s); }) ? 0 : 2;
+}
+
+// The m x m stage before the Newton–Schulz VJP: dkeys, dvals, w0 (B Hq, m, D), z, dz (B Hq, m, m); dkeys_kv, dvals_kv
+// (B, Hkv, m, D), written where Hq > Hkv; dw0 (B Hq, m, D), rowdot (B Hq, m), dkl (B, Hkv, m, D).
+extern "C" int nystrom_landmark_vjp(int d, int b, int hq, int hkv, int m, const unsigned char* exact,
+                                    const float* dkeys, const float* dvals, const float* w0, const float* z,
+                                    float* dkeys_kv, float* dvals_kv, float* dz, float* dw0, float* rowdot,
+                                    float* dkl) {
   LandmarkParams lp{};
   lp.hq = hq;
   lp.groups = hq / hkv;
   lp.m = m;
-  lp.slots = slots;
-  lp.a_splits = a_splits;
-  lp.landmarks = landmarks != 0;
+  lp.slots = m;
+  lp.landmarks = true;
   lp.exact = exact;
-  lp.part_dkeys = part_dkeys;
-  lp.part_dvals = part_dvals;
+  lp.dkeys = dkeys;
+  lp.dvals = dvals;
   lp.dkeys_kv = dkeys_kv;
   lp.dvals_kv = dvals_kv;
   lp.w0 = w0;
@@ -316,32 +322,32 @@ extern "C" int nystrom_landmark_vjp(int d, int b, int hq, int hkv, int m, int sl
   lp.dkl = dkl;
   return emu::dispatch(0, d, [&]<typename T, int D>() {
     if (landmark_vjp_smem_bytes<D>(m) > kLandmarkSmemFloats * 4) return false;
-    return emu::launch(dim3(hq, b), kThreads, [&] { nystrom_landmark_vjp_bwd_kernel<D>(lp); });
+    return emu::launch(dim3(emu::blocks(m, kLandmarkRows), hq, b), kThreads,
+                       [&] { nystrom_landmark_vjp_bwd_kernel<D>(lp); });
   });
 }
 
-// The m x m stage after it: k2, dk2 (B Hq, m, m); q_land (B Hq, m, D), k_land (B, Hkv, m, D); part_dql (b_splits,
-// B Hq, m, D); dql (B Hq, m, D); with add_vjp_to_dkl dkl += the VJP part of d K̃, else dkl_vjp = it (B, Hkv, m, D).
-extern "C" int nystrom_landmark_grads(int d, int b, int hq, int hkv, int m, int b_splits, int add_vjp_to_dkl,
-                                      const float* k2, const float* dk2, const float* q_land, const float* k_land,
-                                      const float* part_dql, float* dql, float* dkl, float* dkl_vjp) {
+// The m x m stage after it: k2, dk2 (B Hq, m, m); q_land (B Hq, m, D), k_land (B, Hkv, m, D); dql (B Hq, m, D): K3's
+// part in, dQ̃ out; with add_vjp_to_dkl dkl += the VJP part of d K̃, else dkl_vjp = it (B, Hkv, m, D).
+extern "C" int nystrom_landmark_grads(int d, int b, int hq, int hkv, int m, int add_vjp_to_dkl, const float* k2,
+                                      const float* dk2, const float* q_land, const float* k_land, float* dql,
+                                      float* dkl, float* dkl_vjp) {
   LandmarkParams lp{};
   lp.hq = hq;
   lp.groups = hq / hkv;
   lp.m = m;
-  lp.b_splits = b_splits;
   lp.landmarks = true;
   lp.add_vjp_to_dkl = add_vjp_to_dkl != 0;
   lp.k2 = k2;
   lp.dk2 = dk2;
   lp.q_land = q_land;
   lp.k_land = k_land;
-  lp.part_dql = part_dql;
   lp.dql = dql;
   lp.dkl = dkl;
   lp.dkl_vjp = dkl_vjp;
   return emu::dispatch(0, d, [&]<typename T, int D>() {
-    if (landmark_grads_smem_bytes<D>(m) > kLandmarkSmemFloats * 4) return false;
-    return emu::launch(dim3(hkv, b), kThreads, [&] { nystrom_landmark_grads_bwd_kernel<D>(lp); });
+    if (landmark_grads_smem_bytes(m) > kLandmarkSmemFloats * 4) return false;
+    return emu::launch(dim3(emu::blocks(m, kLandmarkRows), hkv, b), kThreads,
+                       [&] { nystrom_landmark_grads_bwd_kernel<D>(lp); });
   });
 }
