@@ -14,6 +14,7 @@ from .timing import synchronize
 
 SHAPES = ((4, 16, 1024, 128), (1, 4, 256, 64))  # (B, H, N, D)
 TINY_SHAPES = ((1, 2, 80, 32),)
+BACKENDS = ("exact", "stieltjes", "race", "nystrom")
 
 
 def per_call(fn, calls: int, device: torch.device) -> tuple[float, float]:
@@ -41,18 +42,21 @@ def public_functions(d: int, device: torch.device) -> dict:
     }
 
 
-def probe_cases(b: int, h: int, n: int, d: int, device: torch.device) -> dict:
-    """name -> callable: the public functions three ways, Nyström's ops (CUDA), and ATen calls for scale."""
+def probe_cases(b: int, h: int, n: int, d: int, device: torch.device, backends=BACKENDS) -> dict:
+    """name -> callable: the public functions of ``backends`` three ways, Nyström's ops (CUDA), and ATen calls for
+    scale."""
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     q, k, v = (torch.randn(b, h, n, d, device=device, dtype=dtype) for _ in range(3))
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     dout = torch.randn_like(q)
     cases = {}
     for name, fn in public_functions(d, device).items():
+        if name not in backends:
+            continue
         cases[f"{name} fwd no_grad"] = lambda fn=fn: torch.no_grad()(fn)(q, k, v)
         cases[f"{name} fwd with grad"] = lambda fn=fn: fn(*leaves)
         cases[f"{name} fwd+bwd"] = lambda fn=fn: torch.autograd.grad(fn(*leaves), leaves, dout)
-    if device.type == "cuda":
+    if device.type == "cuda" and "nystrom" in backends:
         hyper = (64, 6, 0.0, d ** -0.5)
         _, state = torch.ops.hfab.nystrom_fwd.default(q, k, v, None, None, *hyper)
         cases["nystrom op fwd"] = lambda: torch.ops.hfab.nystrom_fwd.default(q, k, v, None, None, *hyper)
@@ -70,11 +74,17 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help=f"shape {TINY_SHAPES[0]} instead of {SHAPES}")
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help="comma-separated: the backends whose functions to time (a build may hold only some)")
     args = parser.parse_args(argv)
+    backends = tuple(args.backends.split(","))
+    unknown = set(backends) - set(BACKENDS)
+    if unknown:
+        parser.error(f"--backends {args.backends!r}: unknown {sorted(unknown)}; supported: {', '.join(BACKENDS)}")
     device = torch.device(args.device)
     for b, h, n, d in TINY_SHAPES if args.tiny else SHAPES:
         print(f"B{b} H{h} N{n} D{d} on {device}: host µs per call to enqueue / wall µs per call")
-        for name, fn in probe_cases(b, h, n, d, device).items():
+        for name, fn in probe_cases(b, h, n, d, device, backends).items():
             enqueued, wall = per_call(fn, args.calls, device)
             print(f"  {name:28s} {enqueued:8.1f} {wall:8.1f}")
 

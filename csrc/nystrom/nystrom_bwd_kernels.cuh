@@ -774,7 +774,7 @@ struct SplitSums {
 __global__ void __launch_bounds__(kThreads) nystrom_split_sum_bwd_kernel(const SplitSums s) {
   const long long e = (long long)blockIdx.x * kThreads + threadIdx.x, stride = s.count / 4;
   if (e >= stride) return;
-  float4* const part = reinterpret_cast<float4*>(s.part[blockIdx.y]) + e;
+  float4* const part = reinterpret_cast<float4*>(blockIdx.y == 0 ? s.part[0] : s.part[1]) + e;
   float4 acc = part[0];
 #pragma unroll 4
   for (int i = 1; i < s.splits; ++i) {
