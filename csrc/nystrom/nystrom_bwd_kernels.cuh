@@ -799,6 +799,7 @@ __global__ void __launch_bounds__(kThreads) nystrom_split_sum_bwd_kernel(const S
 // Sequences with n <= m real tokens (exact, only with a mask) take no landmark path: their dW rows and d K̃'s buffer
 // part are 0.
 constexpr int kLandmarkRows = 16;
+constexpr int kMaxLandmarkTiles = 4;  // m <= 128: 32-landmark slices per warp
 
 struct LandmarkParams {
   int hq, groups, m, slots;
@@ -859,15 +860,25 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_vjp_bwd_kernel(c
   if (!p.landmarks) return;
   float* const dw = reinterpret_cast<float*>(landmark_smem);  // [m][D]
   float* const w0 = dw + m * D;                                // [m][D + 1]
-  const float* w0g = p.w0 + bh * rows;
-  for (int e = threadIdx.x; e < rows; e += kThreads) {
-    dw[e] = exact ? 0.f : p.dvals[bh * rows + e];
-    w0[e / D * (D + 1) + e % D] = w0g[e];
+  const float4* w0g = reinterpret_cast<const float4*>(p.w0 + bh * rows);
+  const float4* dvg = reinterpret_cast<const float4*>(p.dvals + bh * rows);
+#pragma unroll 4
+  for (int e = threadIdx.x; e < rows / 4; e += kThreads) {  // float4s, several loads in flight
+    const float4 x = exact ? make_float4(0.f, 0.f, 0.f, 0.f) : dvg[e], y = w0g[e];
+    reinterpret_cast<float4*>(dw)[e] = x;
+    float* const row = w0 + (4 * e) / D * (D + 1) + (4 * e) % D;
+    row[0] = y.x;
+    row[1] = y.y;
+    row[2] = y.z;
+    row[3] = y.w;
   }
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float* z = p.z + bh * m * m;
   for (int i = r0 + warp; i < r1; i += kThreads / 32) {
+    float zcol[kMaxLandmarkTiles];  // Z[lane + 32 k, i]: the column the dW0 row needs, one load per lane and k
+#pragma unroll
+    for (int k = 0; k < kMaxLandmarkTiles; ++k) zcol[k] = lane + 32 * k < m ? __ldg(z + (lane + 32 * k) * m + i) : 0.f;
     for (int j = lane; j < m; j += 32) {  // dZ[i, j] = dW[i] · W0[j]
       float s = 0.f;
 #pragma unroll 8
@@ -875,10 +886,13 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_vjp_bwd_kernel(c
       p.dz[bh * m * m + i * m + j] = s;
     }
     float acc[D / 32] = {};  // dW0[i, lane + 32 c] = Σ_l Z[l, i] dW[l, lane + 32 c]
-    for (int l = 0; l < m; ++l) {
-      const float zli = __ldg(z + l * m + i);
 #pragma unroll
-      for (int c = 0; c < D / 32; ++c) acc[c] = fmaf(zli, dw[l * D + lane + 32 * c], acc[c]);
+    for (int k = 0; k < kMaxLandmarkTiles; ++k) {
+      for (int l = 32 * k; l < min(m, 32 * k + 32); ++l) {
+        const float zli = __shfl_sync(0xffffffffu, zcol[k], l % 32);
+#pragma unroll
+        for (int c = 0; c < D / 32; ++c) acc[c] = fmaf(zli, dw[l * D + lane + 32 * c], acc[c]);
+      }
     }
     float dot = 0.f;
 #pragma unroll
@@ -906,10 +920,19 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_grads_bwd_kernel
     const float* k2 = p.k2 + bh * m * m;
     const float* dk2 = p.dk2 + bh * m * m;
     for (int i = warp; i < m; i += kThreads / 32) {  // softmax VJP of every row, a warp per row
-      float t = 0.f;
-      for (int j = lane; j < m; j += 32) t = fmaf(k2[i * m + j], dk2[i * m + j], t);
+      float pk[kMaxLandmarkTiles], gk[kMaxLandmarkTiles], t = 0.f;
+#pragma unroll
+      for (int k = 0; k < kMaxLandmarkTiles; ++k) {
+        const int j = lane + 32 * k;
+        pk[k] = j < m ? k2[i * m + j] : 0.f;
+        gk[k] = j < m ? dk2[i * m + j] : 0.f;
+      }
+#pragma unroll
+      for (int k = 0; k < kMaxLandmarkTiles; ++k) t = fmaf(pk[k], gk[k], t);
       t = warp_sum(t);
-      for (int j = lane; j < m; j += 32) ds[i * ld + j] = k2[i * m + j] * (dk2[i * m + j] - t);
+#pragma unroll
+      for (int k = 0; k < kMaxLandmarkTiles; ++k)
+        if (lane + 32 * k < m) ds[i * ld + lane + 32 * k] = pk[k] * (gk[k] - t);
     }
     __syncthreads();
     const float* ql = p.q_land + bh * rows;
@@ -922,9 +945,10 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_grads_bwd_kernel
         const int d = lane + 32 * c;
         float dq = p.dql[bh * rows + i * D + d];
         float dk = dkl[t][c];
+#pragma unroll 8
         for (int j = 0; j < m; ++j) {
-          dq = fmaf(ds[i * ld + j], kl[j * D + d], dq);
-          dk = fmaf(ds[j * ld + i], ql[j * D + d], dk);
+          dq = fmaf(ds[i * ld + j], __ldg(kl + j * D + d), dq);
+          dk = fmaf(ds[j * ld + i], __ldg(ql + j * D + d), dk);
         }
         p.dql[bh * rows + i * D + d] = dq;
         dkl[t][c] = dk;

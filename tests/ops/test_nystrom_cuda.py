@@ -265,7 +265,9 @@ def test_backward_gqa_groups_of_four_deterministic():
 
 
 def test_backward_memory_is_linear_in_n():
-    """No (N, m) matrix and no fp32 copy of q, k, v, dO: the backward's peak is its outputs plus O(m D) state."""
+    """No (N, m) matrix and no fp32 copy of q, k, v, dO: the backward's peak is its outputs plus the split partials
+    (O(splits m D), splits bounded by the GPU's resident blocks), a few fp32 rows per query (row statistics) and O(m²)
+    state: under 24 MiB here, which an (N, m) fp32 matrix or an fp32 copy of q (32 MiB each) alone exceeds."""
     q, k, v = make_inputs(1, 4, 4, 65536, 65536, 64)
     dout = torch.randn_like(q)
     short = (t[:, :, :256] for t in (dout, q, k, v))
@@ -276,7 +278,7 @@ def test_backward_memory_is_linear_in_n():
     grads = torch.ops.hfab.nystrom_bwd(dout, q, k, v, None, None, 32, 6, 0.0, 0.125, [])
     torch.cuda.synchronize()
     outputs = sum(g.nbytes for g in grads)
-    assert torch.cuda.max_memory_allocated() - base <= outputs + 16 * 2 ** 20
+    assert torch.cuda.max_memory_allocated() - base <= outputs + 24 * 2 ** 20
 
 
 def test_non_contiguous_inputs_equal_contiguous():
