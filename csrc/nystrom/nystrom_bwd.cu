@@ -265,7 +265,7 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, cudaStream_t st
     lp.dql = bp.part_dql;
     lp.dkl_vjp = ptr(at_dkl_vjp);
     launch_dynamic(nystrom_landmark_grads_bwd_kernel<D>, grid_of(div_up(m, kLandmarkRows), hkv, B), kThreads,
-                   landmark_grads_smem_bytes(static_cast<int>(m)), lp, stream);
+                   landmark_grads_smem_bytes<D>(static_cast<int>(m)), lp, stream);
     if (late) add_segments(lp.dkl_vjp, dk);
     else launch_key_gradients();
     bp.dql = lp.dql;

@@ -824,10 +824,13 @@ struct LandmarkParams {
   float* dkl_vjp;               // (B, Hkv, m, D), unless add_vjp_to_dkl
 };
 
-// Dynamic shared memory of the two kernels: dW [m][D] and W0 [m][D + 1]; dS2 [m][m + 1].
+// Dynamic shared memory of the two kernels: dW [m][D] and W0 [m][D + 1]; dS2 [m][m + 1] (padded to 16 bytes) and
+// kLandmarkChunk rows of K̃ and of Q̃.
+constexpr int kLandmarkChunk = 32;
 template <int D>
 int landmark_vjp_smem_bytes(int m) { return m * (2 * D + 1) * 4; }
-inline int landmark_grads_smem_bytes(int m) { return m * (m + 1) * 4; }
+template <int D>
+int landmark_grads_smem_bytes(int m) { return ((m * (m + 1) + 3) / 4 * 4 + 2 * kLandmarkChunk * D) * 4; }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -912,6 +915,8 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_grads_bwd_kernel
   const int hk = blockIdx.y, b = blockIdx.z, m = p.m, ld = m + 1, r0 = blockIdx.x * kLandmarkRows;
   const long long bk = (long long)b * gridDim.y + hk, rows = (long long)m * D;
   float* const ds = reinterpret_cast<float*>(landmark_smem);  // [m][m + 1]
+  float* const klc = ds + m * ld + (4 - m * ld % 4) % 4;       // [kLandmarkChunk][D], 16-byte aligned
+  float* const qlc = klc + kLandmarkChunk * D;                 // [kLandmarkChunk][D]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const float* kl = p.k_land + bk * rows;
   float dkl[kPerWarp][D / 32] = {};  // rows r0 + warp + 8 t of d K̃'s VJP part
@@ -936,25 +941,44 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_grads_bwd_kernel
     }
     __syncthreads();
     const float* ql = p.q_land + bh * rows;
+    float dq[kPerWarp][D / 32];  // rows r0 + warp + 8 t of dQ̃: K3's part, then + Σ_j dS2[i, j] K̃[j]
+#pragma unroll
+    for (int t = 0; t < kPerWarp; ++t)
+#pragma unroll
+      for (int c = 0; c < D / 32; ++c) {
+        const int i = min(r0 + warp + (kThreads / 32) * t, m - 1);
+        dq[t][c] = p.dql[bh * rows + i * D + lane + 32 * c];
+      }
+    for (int j0 = 0; j0 < m; j0 += kLandmarkChunk) {  // K̃ and Q̃ rows [j0, j0 + chunk) through shared memory
+      const int count = min(kLandmarkChunk, m - j0);
+      for (int e = threadIdx.x; e < count * D / 4; e += kThreads) {
+        reinterpret_cast<float4*>(klc)[e] = __ldg(reinterpret_cast<const float4*>(kl + j0 * D) + e);
+        reinterpret_cast<float4*>(qlc)[e] = __ldg(reinterpret_cast<const float4*>(ql + j0 * D) + e);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int t = 0; t < kPerWarp; ++t) {
+        const int i = r0 + warp + (kThreads / 32) * t;
+        if (i >= m) break;
+#pragma unroll
+        for (int c = 0; c < D / 32; ++c) {
+          const int d = lane + 32 * c;
+#pragma unroll 8
+          for (int j = 0; j < count; ++j) {
+            dq[t][c] = fmaf(ds[i * ld + j0 + j], klc[j * D + d], dq[t][c]);
+            dkl[t][c] = fmaf(ds[(j0 + j) * ld + i], qlc[j * D + d], dkl[t][c]);
+          }
+        }
+      }
+      __syncthreads();
+    }
 #pragma unroll
     for (int t = 0; t < kPerWarp; ++t) {
       const int i = r0 + warp + (kThreads / 32) * t;
       if (i >= m) break;
 #pragma unroll
-      for (int c = 0; c < D / 32; ++c) {
-        const int d = lane + 32 * c;
-        float dq = p.dql[bh * rows + i * D + d];
-        float dk = dkl[t][c];
-#pragma unroll 8
-        for (int j = 0; j < m; ++j) {
-          dq = fmaf(ds[i * ld + j], __ldg(kl + j * D + d), dq);
-          dk = fmaf(ds[j * ld + i], __ldg(ql + j * D + d), dk);
-        }
-        p.dql[bh * rows + i * D + d] = dq;
-        dkl[t][c] = dk;
-      }
+      for (int c = 0; c < D / 32; ++c) p.dql[bh * rows + i * D + lane + 32 * c] = dq[t][c];
     }
-    __syncthreads();
   }
 #pragma unroll
   for (int t = 0; t < kPerWarp; ++t) {

@@ -346,7 +346,7 @@ extern "C" int nystrom_landmark_grads(int d, int b, int hq, int hkv, int m, int 
   lp.dkl = dkl;
   lp.dkl_vjp = dkl_vjp;
   return emu::dispatch(0, d, [&]<typename T, int D>() {
-    if (landmark_grads_smem_bytes(m) > kLandmarkSmemFloats * 4) return false;
+    if (landmark_grads_smem_bytes<D>(m) > kLandmarkSmemFloats * 4) return false;
     return emu::launch(dim3(emu::blocks(m, kLandmarkRows), hkv, b), kThreads,
                        [&] { nystrom_landmark_grads_bwd_kernel<D>(lp); });
   });
