@@ -908,9 +908,20 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_vjp_bwd_kernel(c
   }
 }
 
+// fn(t, i) for the rows i = r0 + warp + 8 t < m of a kLandmarkRows block that this warp owns.
+constexpr int kLandmarkRowsPerWarp = kLandmarkRows / (kThreads / 32);
+template <typename Fn>
+__device__ __forceinline__ void for_warp_rows(int r0, int m, Fn fn) {
+#pragma unroll
+  for (int t = 0; t < kLandmarkRowsPerWarp; ++t) {
+    const int i = r0 + threadIdx.x / 32 + (kThreads / 32) * t;
+    if (i < m) fn(t, i);
+  }
+}
+
 template <int D>
 __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_grads_bwd_kernel(const LandmarkParams p) {
-  constexpr int kPerWarp = kLandmarkRows / (kThreads / 32);
+  constexpr int kPerWarp = kLandmarkRowsPerWarp;
   extern __shared__ float4 landmark_smem[];
   const int hk = blockIdx.y, b = blockIdx.z, m = p.m, ld = m + 1, r0 = blockIdx.x * kLandmarkRows;
   const long long bk = (long long)b * gridDim.y + hk, rows = (long long)m * D;
@@ -941,14 +952,11 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_grads_bwd_kernel
     }
     __syncthreads();
     const float* ql = p.q_land + bh * rows;
-    float dq[kPerWarp][D / 32];  // rows r0 + warp + 8 t of dQ̃: K3's part, then + Σ_j dS2[i, j] K̃[j]
+    float dq[kPerWarp][D / 32] = {};  // rows r0 + warp + 8 t of dQ̃: K3's part, then + Σ_j dS2[i, j] K̃[j]
+    for_warp_rows(r0, m, [&](int t, int i) {
 #pragma unroll
-    for (int t = 0; t < kPerWarp; ++t)
-#pragma unroll
-      for (int c = 0; c < D / 32; ++c) {
-        const int i = min(r0 + warp + (kThreads / 32) * t, m - 1);
-        dq[t][c] = p.dql[bh * rows + i * D + lane + 32 * c];
-      }
+      for (int c = 0; c < D / 32; ++c) dq[t][c] = p.dql[bh * rows + i * D + lane + 32 * c];
+    });
     for (int j0 = 0; j0 < m; j0 += kLandmarkChunk) {  // K̃ and Q̃ rows [j0, j0 + chunk) through shared memory
       const int count = min(kLandmarkChunk, m - j0);
       for (int e = threadIdx.x; e < count * D / 4; e += kThreads) {
@@ -956,10 +964,7 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_grads_bwd_kernel
         reinterpret_cast<float4*>(qlc)[e] = __ldg(reinterpret_cast<const float4*>(ql + j0 * D) + e);
       }
       __syncthreads();
-#pragma unroll
-      for (int t = 0; t < kPerWarp; ++t) {
-        const int i = r0 + warp + (kThreads / 32) * t;
-        if (i >= m) break;
+      for_warp_rows(r0, m, [&](int t, int i) {
 #pragma unroll
         for (int c = 0; c < D / 32; ++c) {
           const int d = lane + 32 * c;
@@ -969,28 +974,22 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_landmark_grads_bwd_kernel
             dkl[t][c] = fmaf(ds[(j0 + j) * ld + i], qlc[j * D + d], dkl[t][c]);
           }
         }
-      }
+      });
       __syncthreads();
     }
-#pragma unroll
-    for (int t = 0; t < kPerWarp; ++t) {
-      const int i = r0 + warp + (kThreads / 32) * t;
-      if (i >= m) break;
+    for_warp_rows(r0, m, [&](int t, int i) {
 #pragma unroll
       for (int c = 0; c < D / 32; ++c) p.dql[bh * rows + i * D + lane + 32 * c] = dq[t][c];
-    }
+    });
   }
-#pragma unroll
-  for (int t = 0; t < kPerWarp; ++t) {
-    const int i = r0 + warp + (kThreads / 32) * t;
-    if (i >= m) break;
+  for_warp_rows(r0, m, [&](int t, int i) {
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) {
       const long long at = bk * rows + i * D + lane + 32 * c;
       if (p.add_vjp_to_dkl) p.dkl[at] += dkl[t][c];
       else p.dkl_vjp[at] = dkl[t][c];
     }
-  }
+  });
 }
 
 }  // namespace nystrom
