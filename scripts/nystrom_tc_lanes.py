@@ -1,50 +1,58 @@
 """Lane-level emulation of the tensor-core Nyström kernels (csrc/nystrom/nystrom_tc_kernels.cuh).
 
 Output kernel: the query fragments by ldmatrix, chunk_scores (keys high part + residual by ldmatrix), chunk_softmax
-(online over 64-row chunks, columns >= nvalid masked), chunk_values (p's C registers as the tf32 A fragment with the
-k index permuted, value B fragments from rows 2t, 2t + 1) and store_rows' columns, against the dense
-softmax(q keysᵀ scale) vals. K3 kernel: landmark_frags, key tiles by ldmatrix, the bias of padded keys, the online
+(online over 32-row chunks, columns >= nvalid masked, P times 2^8), the P values product (p's C registers as the A
+fragment in two fp16 halves, the values times the block's power of two 2^e in fp16 halves by ldmatrix.trans: hi hi +
+hi lo + lo hi) and store_rows' columns, against the dense softmax(q keysᵀ scale) vals. K3 kernel: landmark_frags, key tiles by ldmatrix, the bias of padded keys, the online
 softmax with fully masked tiles, P's C registers as the A fragment and v by ldmatrix.trans, the partial (max, sum,
 acc), against the dense partial over the split's real keys.
 
 Two modes: exact (float64 values, splits exact: checks only the indexing, errors ~1e-15 when right) and rounded
-(q and the key halves rounded to fp16 / bf16, tf32 halves by truncation as mma::tf32_split, fp32 accumulation not
-modelled): the kernel's operand error against float64, next to the error of rounding the output to the dtype.
+(q and the key halves rounded to fp16 / bf16, the P and value halves to fp16 as split_pair<__half>, fp32 accumulation
+not modelled): the kernel's operand error against float64, next to the error of rounding the output to the dtype.
 Run: python scripts/nystrom_tc_lanes.py (CPU, about a minute)."""
 import numpy as np
 import torch
 
-from mma_lanes import G, TT, ldsm_x4, ldsm_x4_trans, mma1688, mma16816
+from mma_lanes import G, TT, ldsm_x4, ldsm_x4_trans, mma16816
 
-kWarps, kBQ, kChunk = 8, 128, 64
+kWarps, kBQ, kChunk, kProbExp = 8, 128, 32, 8
 
 
 def round_to(x, dtype):
     return torch.from_numpy(np.asarray(x, dtype=np.float64)).to(torch.float32).to(dtype).to(torch.float64).numpy()
 
 
-def tf32_split(x):
-    """mma::tf32_split: hi = x with the low 13 bits cleared, lo likewise of x - hi (fp32 arithmetic)."""
+def fp16_split(x):
+    """split_pair<__half>: hi = fp16(x), lo = fp16(x - hi) in fp32 arithmetic."""
     x32 = np.asarray(x, dtype=np.float32)
-    hi = (x32.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
-    lo = ((x32 - hi).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
-    return hi.astype(np.float64), lo.astype(np.float64)
+    hi = x32.astype(np.float16).astype(np.float32)
+    return hi.astype(np.float64), (x32 - hi).astype(np.float16).astype(np.float64)
+
+
+def value_exponent(vals):
+    """fp16_exponent: e with max |vals| 2^e in [2^14, 2^15), at most 100; 0 where the maximum is inf."""
+    mx = float(np.abs(vals).max()) if vals.size else 0.0
+    if not np.isfinite(mx):
+        return 0
+    return min(15 - int(np.frexp(np.float32(mx))[1]), 100)
 
 
 def emulate(q, keys, vals, nvalid, scale_log2, dtype):
     """q (kBQ, D) one query tile; keys, vals (rows, D) the staged buffer (rows a multiple of 16). dtype None: exact."""
     rows, D = keys.shape
-    kKey, kVal = D + 8, D + 4
+    kKey = D + 8
     if dtype is None:
         qs, khi, klo, split = q, keys, np.zeros_like(keys), (lambda x: (np.asarray(x, np.float64), 0.0 * x))
     else:
         qs = round_to(q, dtype)
         khi = round_to(keys, dtype)
         klo = round_to(keys - khi, dtype)
-        split = tf32_split
+        split = fp16_split
+    e_val = value_exponent(vals[:nvalid])
+    vhi, vlo = split(vals * 2.0 ** e_val)
     pad = lambda a, width: np.concatenate([a, np.zeros((a.shape[0], width - a.shape[1]))], 1).ravel()
-    qflat, khf, klf = pad(qs, kKey), pad(khi, kKey), pad(klo, kKey)
-    vflat = pad(vals, kVal)
+    qflat, khf, klf, vhf, vlf = (pad(a, kKey) for a in (qs, khi, klo, vhi, vlo))
     out = np.zeros((kBQ, D))
     lane = np.arange(32)
     for warp in range(kWarps):
@@ -87,19 +95,21 @@ def emulate(q, keys, vals, nvalid, scale_log2, dtype):
                 for e in range(4):
                     pe = np.exp2(s[j][:, e] - m[:, e >> 1])
                     l[:, e >> 1] += pe
-                    s[j][:, e] = pe
-            for kk in range(kChunk // 8):
-                if c0 + 8 * kk >= nvalid:
+                    s[j][:, e] = pe * 2.0 ** kProbExp
+            for kc in range(kChunk // 16):
+                if c0 + 16 * kc >= nvalid:
                     continue
-                a = [split(s[kk][:, e]) for e in (0, 2, 1, 3)]
+                # A fragment registers: (row g, k 0-7), (g + 8, 0-7), (g, 8-15), (g + 8, 8-15) of p's C registers
+                a = [split(s[2 * kc + e // 2][:, 2 * (e % 2):2 * (e % 2) + 2]) for e in range(4)]
                 ahi, alo = [x[0] for x in a], [x[1] for x in a]
-                v0 = (c0 + 8 * kk + 2 * TT) * kVal + G
-                for dn in range(D // 8):
-                    b = [split(vflat[v0 + 8 * dn]), split(vflat[v0 + kVal + 8 * dn])]
-                    bhi, blo = [x[0] for x in b], [x[1] for x in b]
-                    mma1688(o[dn], ahi, bhi)
-                    mma1688(o[dn], ahi, blo)
-                    mma1688(o[dn], alo, bhi)
+                for dn in range(D // 16):
+                    off = (c0 + 16 * kc + TROW) * kKey + 16 * dn + TCOL
+                    bh, bl = ldsm_x4_trans(vhf, off), ldsm_x4_trans(vlf, off)
+                    for x, b in ((ahi, bh), (ahi, bl), (alo, bh)):
+                        mma16816(o[2 * dn], x, [b[0], b[1]])
+                        mma16816(o[2 * dn + 1], x, [b[2], b[3]])
+        for dn in range(D // 8):
+            o[dn] *= 2.0 ** (-e_val - kProbExp)
         for r in range(2):
             total = np.repeat(l[:, r].reshape(8, 4).sum(1), 4)
             inv = np.where(total > 0, 1.0 / np.where(total > 0, total, 1.0), 0.0)

@@ -10,7 +10,8 @@
 //                                exact q, dO; FUSED (one slot tile): also Δ1 and dq's buffer part √scale dS1 keys
 //   nystrom_k3_tc_bwd_kernel     per (key split, 16 W landmarks, b h): partial dQ̃ = dS3 k_s, dS3 = K3 ∘ (dW0 vᵀ − rowdot);
 //                                the landmarks and dW0 (fp32) staged in 16-bit halves, 64-key k and v tiles with their
-//                                padding bias double-buffered by cp.async; dS3 in halves against exact k
+//                                padding bias double-buffered by cp.async (one buffer at D 128 with four warps); dS3 in
+//                                halves against exact k
 //   nystrom_kv_tc_bwd_kernel     per (64 keys, kv head, b): dk, dv (one writer per row) as nystrom_kv_bwd_kernel; for
 //                                landmark sequences the keys' and values' rows (exact) as A operands against each q
 //                                head's landmarks and dW0 (staged in 16-bit halves, 64 at a time): K3ᵀ dW0 and
@@ -96,42 +97,6 @@ __device__ __forceinline__ void scores_against_halves(float (&s)[NT][4], float (
         mma::m16n8k16(dp[2 * jj], aw, {bd[0], bd[1]}, T());
         mma::m16n8k16(dp[2 * jj + 1], aw, {bd[2], bd[3]}, T());
       }
-    }
-  }
-}
-
-// acc (16 x D) += x (16 x 8 NT, C layout, fp32) times rows [0, 8 NT) of the 16-bit tile b ([.][D + 8], rows as the k
-// index, by ldmatrix.trans), x in two halves: x_hi b + x_lo b; with kLo, b is the high part of fp32 values whose
-// residual is b_lo, and x_hi b_lo is added. 16-row k-steps at or past row `valid` are skipped.
-template <typename T, int D, int NT, bool kLo>
-__device__ __forceinline__ void halves_product(float (&acc)[D / 8][4], const float (&x)[NT][4], const uint16_t* b,
-                                               const uint16_t* b_lo, int valid, int lane) {
-  constexpr int kRow = D + 8;
-  const int trow = (lane & 7) + ((lane >> 3) & 1) * 8, tcol = (lane >> 4) * 8;
-#pragma unroll
-  for (int kc = 0; kc < NT / 2; ++kc) {
-    if (16 * kc >= valid) continue;
-    uint32_t xhi[4], xlo[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {  // e: (row g, k 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
-      const int j = 2 * kc + e / 2, c = 2 * (e % 2);
-      split_pair<T>(x[j][c], x[j][c + 1], xhi[e], xlo[e]);
-    }
-#pragma unroll
-    for (int dn = 0; dn < D / 16; ++dn) {
-      const int off = (16 * kc + trow) * kRow + 16 * dn + tcol;
-      uint32_t bf[4];
-      mma::ldsm_x4_trans(bf, b + off);
-      mma::m16n8k16(acc[2 * dn], xhi, {bf[0], bf[1]}, T());
-      mma::m16n8k16(acc[2 * dn + 1], xhi, {bf[2], bf[3]}, T());
-      if constexpr (kLo) {
-        uint32_t bl[4];
-        mma::ldsm_x4_trans(bl, b_lo + off);
-        mma::m16n8k16(acc[2 * dn], xhi, {bl[0], bl[1]}, T());
-        mma::m16n8k16(acc[2 * dn + 1], xhi, {bl[2], bl[3]}, T());
-      }
-      mma::m16n8k16(acc[2 * dn], xlo, {bf[0], bf[1]}, T());
-      mma::m16n8k16(acc[2 * dn + 1], xlo, {bf[2], bf[3]}, T());
     }
   }
 }
@@ -446,9 +411,13 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
 
 // Dynamic shared memory of the k3 kernel: landmarks hi, lo and dW0 hi, lo [16 W][D + 8] T; 2 buffers x (k, v)
 // [64][D + 8] T; 2 buffers x the keys' padding bias [64] fp32.
+// Dynamic shared memory of K3's backward: landmarks hi, lo and dW0 hi, lo [16 W][D + 8] T; k, v [kStages][64][D + 8]
+// T; the key bias [2][64] fp32. Two k/v stages (the next tile's copy in flight during this one) except at D 128 with
+// four warps, where the second would take 35 KB and one of the two blocks an SM holds (139 against 104 KB).
 template <int D, int W> struct K3BwdSmem {
   static constexpr int kRow = D + 8, kLandTile = 16 * W * kRow, kTile = kK3Keys * kRow;
-  static constexpr int bytes = 4 * kLandTile * 2 + 4 * kTile * 2 + 2 * kK3Keys * 4;
+  static constexpr int kStages = D == 128 && W == 4 ? 1 : 2;
+  static constexpr int bytes = 4 * kLandTile * 2 + 2 * kStages * kTile * 2 + 2 * kK3Keys * 4;
 };
 
 // Grid (splits, ceil(m / 16 W), B Hq), 32 W threads. Keys [split * b_chunk, min(+b_chunk, N)); exact sequences write
@@ -463,8 +432,8 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
   uint16_t* llo = lhi + kLandTile;
   uint16_t* whi = llo + kLandTile;
   uint16_t* wlo = whi + kLandTile;
-  uint16_t* tiles = wlo + kLandTile;                            // [buffer][k, v][64][D + 8]
-  float* bias = reinterpret_cast<float*>(tiles + 4 * kTile);    // [buffer][64]
+  uint16_t* tiles = wlo + kLandTile;                                      // [buffer][k, v][64][D + 8]
+  float* bias = reinterpret_cast<float*>(tiles + 2 * S::kStages * kTile);  // [buffer][64]
   const Params& p = bp.p;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int split = blockIdx.x, l0 = blockIdx.y * kRowsW, bh = blockIdx.z;
@@ -503,10 +472,14 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
   int exps[2] = {kRowExpMax, kRowExpMax};
   const bool active = 16 * warp < count;  // else every row of this warp is past m: loads and barriers only
   int buf = 0;
-  for (int k0 = kbeg; k0 < kend; k0 += kK3Keys, buf ^= 1) {
+  for (int k0 = kbeg; k0 < kend; k0 += kK3Keys, buf ^= S::kStages - 1) {
+    if (S::kStages == 1 && k0 != kbeg) {
+      __syncthreads();  // every warp is done with the last tile
+      load(k0, 0);
+    }
     mma::cp_async_wait_all();
     __syncthreads();  // this tile (and, at the first, the staged rows) is in; every warp is done with the other buffer
-    if (k0 + kK3Keys < kend) load(k0 + kK3Keys, buf ^ 1);
+    if (S::kStages == 2 && k0 + kK3Keys < kend) load(k0 + kK3Keys, buf ^ 1);
     if (!active) continue;
     const uint16_t* kt = tiles + 2 * buf * kTile;
     const uint16_t* vt = kt + kTile;

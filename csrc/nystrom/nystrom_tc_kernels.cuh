@@ -7,8 +7,10 @@
 // their A fragments at every chunk (at most 128 registers: two blocks per SM overlap one's loads with the other's
 // products). Per 32-row chunk of the buffer, an online softmax step.
 // Precision: S = q keysᵀ with q exact in T and keys as a T high part plus a T residual (two mma, ~2^-16 relative
-// for bf16); P values with P and the fp32 values each in two tf32 halves (three m16n8k8 mma: fp32-accurate), because
-// W = Z (K3 v) can exceed |out| 50-fold (an ill-conditioned K2) and exceed fp16's range.
+// for bf16); P values with P and the fp32 values each in two fp16 halves (hi hi + hi lo + lo hi, three m16n8k16:
+// ~2^-22 relative, about fp32), whatever T is, because W = Z (K3 v) can exceed |out| 50-fold (an ill-conditioned K2).
+// fp16's range is kept by powers of two: the block's values times 2^e with max |value| 2^e in [2^14, 2^15), P (<= 1)
+// times 2^8 (so that neither residual falls among fp16's subnormals); the sums are scaled back once per tile.
 #pragma once
 
 #include <cstdint>
@@ -25,15 +27,17 @@ constexpr int kChunk = 32;  // buffer rows per online-softmax step (32: the scor
 
 // Dynamic shared memory for a buffer of `slots` rows (padded to 16):
 //   khi, klo [rows][D + 8] T     keys as a 16-bit high part and residual (ldmatrix rows 16-byte aligned)
-//   vals     [rows][D + 4] fp32  (tf32 B fragments: lanes (t, g) read rows 2t, 2t + 1, column g: conflict-free)
+//   vhi, vlo [rows][D + 8] fp16  values times 2^e (the block's power of two) as high part and residual
 //   q        [stages][kBQ][D + 8] T  the query tile (two stages: the next one's copy in flight during this one)
 template <int D> struct OutSmem {
-  static constexpr int kKey = D + 8, kVal = D + 4;
+  static constexpr int kKey = D + 8;
   static __host__ __device__ int rows(int slots) { return (slots + 15) / 16 * 16; }
   static __host__ __device__ int bytes(int slots, int stages = 1) {
-    return 2 * rows(slots) * kKey * 2 + rows(slots) * kVal * 4 + stages * kBQ * kKey * 2;
+    return 4 * rows(slots) * kKey * 2 + stages * kBQ * kKey * 2;
   }
 };
+
+constexpr int kProbExp = 8;  // P (<= 1) enters the P values product times 2^8
 
 // Two fp32 values as packed T high parts and packed T residuals.
 template <typename T>
@@ -43,33 +47,55 @@ __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uin
   lo = Pair<T>::from_float2(make_float2(x0 - back.x, x1 - back.y));
 }
 
-// Rows [0, rows) of an fp32 matrix (D floats per row; rows >= count zero) into shared memory as 16-bit high parts
-// and residuals, rows D + 8 elements apart, by a block of THREADS threads.
+// Rows [0, rows) of an fp32 matrix (D floats per row; rows >= count zero) times `scale` (a power of two) into shared
+// memory as 16-bit high parts and residuals, rows D + 8 elements apart, by a block of THREADS threads.
 template <typename T, int D, int THREADS>
-__device__ __forceinline__ void split_rows(const float* src, int count, int rows, uint16_t* hi, uint16_t* lo) {
+__device__ __forceinline__ void split_rows(const float* src, int count, int rows, uint16_t* hi, uint16_t* lo,
+                                           float scale = 1.f) {
   constexpr int kQuads = D / 4;
   for (int c = threadIdx.x; c < rows * kQuads; c += THREADS) {
     const int r = c / kQuads, d = 4 * (c % kQuads);
     const float4 x = r < count ? __ldg(reinterpret_cast<const float4*>(src + r * D + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
     uint2 h, l;
-    split_pair<T>(x.x, x.y, h.x, l.x);
-    split_pair<T>(x.z, x.w, h.y, l.y);
+    split_pair<T>(x.x * scale, x.y * scale, h.x, l.x);
+    split_pair<T>(x.z * scale, x.w * scale, h.y, l.y);
     *reinterpret_cast<uint2*>(hi + r * (D + 8) + d) = h;
     *reinterpret_cast<uint2*>(lo + r * (D + 8) + d) = l;
   }
 }
 
-// The first `nvalid` buffer rows into shared memory (keys split, values as they are), zeros up to `rows`.
-template <typename T, int D>
-__device__ __forceinline__ void stage_buffer(const float* keys, const float* vals, int nvalid, int rows, uint16_t* khi,
-                                             uint16_t* klo, float* vs) {
-  constexpr int kQuads = D / 4;
-  split_rows<T, D, kThreads>(keys, nvalid, rows, khi, klo);
-  for (int c = threadIdx.x; c < rows * kQuads; c += kThreads) {
-    const int r = c / kQuads, d = 4 * (c % kQuads);
-    *reinterpret_cast<float4*>(vs + r * OutSmem<D>::kVal + d) =
-        r < nvalid ? __ldg(reinterpret_cast<const float4*>(vals + r * D + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
+// The power of two e with max |x| 2^e in [2^14, 2^15) over rows [0, count) of an fp32 matrix (D floats per row), the
+// same in every thread of the block (one barrier; `red`: kThreads / 32 floats of shared memory); e is in [-113, 100]
+// (100 for tiny or zero values), so 2^e and 2^-e are normal floats; 0 where the maximum is inf (the product then
+// carries inf or NaN into the output, as a NaN among the values does).
+template <int D>
+__device__ __forceinline__ int fp16_exponent(const float* src, int count, float* red) {
+  float mx = 0.f;
+  for (int c = threadIdx.x; c < count * (D / 4); c += kThreads) {
+    const float4 x = __ldg(reinterpret_cast<const float4*>(src + c * 4));
+    mx = fmaxf(mx, fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w))));
   }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = mx;
+  __syncthreads();
+  mx = red[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) mx = fmaxf(mx, red[w]);
+  if (mx == inf()) return 0;
+  int ex;
+  frexpf(mx, &ex);  // mx = f 2^ex, f in [0.5, 1)
+  return min(15 - ex, 100);
+}
+
+// The first `nvalid` buffer rows into shared memory (keys and values 2^e split), zeros up to `rows`; returns e.
+template <typename T, int D>
+__device__ __forceinline__ int stage_buffer(const float* keys, const float* vals, int nvalid, int rows, uint16_t* khi,
+                                            uint16_t* klo, uint16_t* vhi, uint16_t* vlo, float* red) {
+  split_rows<T, D, kThreads>(keys, nvalid, rows, khi, klo);
+  const int e = fp16_exponent<D>(vals, nvalid, red);
+  split_rows<__half, D, kThreads>(vals, nvalid, rows, vhi, vlo, ldexpf(1.f, e));
+  return e;
 }
 
 // s (16 x kChunk, C layout) = this warp's 16 query rows of the staged tile qs ([kBQ][D + 8], A fragments by ldmatrix
@@ -102,29 +128,37 @@ __device__ __forceinline__ void chunk_scores(float (&s)[kChunk / 8][4], const ui
   }
 }
 
-// o (16 x D) += p (16 x kChunk, C layout) times value rows [c0, c0 + kChunk), both in two tf32 halves. The k index
-// of each 8-row step is permuted (A column t <-> row 2t, t + 4 <-> 2t + 1) so that p's C registers are the A
-// fragment as they are.
-template <int D>
-__device__ __forceinline__ void chunk_values(float (&o)[D / 8][4], const float (&p)[kChunk / 8][4], const float* vs,
-                                             int c0, int nvalid, int lane) {
-  constexpr int kVal = OutSmem<D>::kVal;
-  const int g = lane / 4, t = lane % 4;
+// acc (16 x D) += x (16 x 8 NT, C layout, fp32) times rows [0, 8 NT) of the 16-bit tile b ([.][D + 8], rows as the k
+// index, by ldmatrix.trans), x in two halves: x_hi b + x_lo b; with kLo, b is the high part of fp32 values whose
+// residual is b_lo, and x_hi b_lo is added. 16-row k-steps at or past row `valid` are skipped.
+template <typename T, int D, int NT, bool kLo>
+__device__ __forceinline__ void halves_product(float (&acc)[D / 8][4], const float (&x)[NT][4], const uint16_t* b,
+                                               const uint16_t* b_lo, int valid, int lane) {
+  constexpr int kRow = D + 8;
+  const int trow = (lane & 7) + ((lane >> 3) & 1) * 8, tcol = (lane >> 4) * 8;
 #pragma unroll
-  for (int kk = 0; kk < kChunk / 8; ++kk) {
-    if (c0 + 8 * kk >= nvalid) continue;
-    uint32_t ahi[4], alo[4];
-    mma::tf32_split(p[kk][0], ahi[0], alo[0]);  // (g, 2t)
-    mma::tf32_split(p[kk][2], ahi[1], alo[1]);  // (g + 8, 2t)
-    mma::tf32_split(p[kk][1], ahi[2], alo[2]);  // (g, 2t + 1)
-    mma::tf32_split(p[kk][3], ahi[3], alo[3]);  // (g + 8, 2t + 1)
-    const float* v0 = vs + (c0 + 8 * kk + 2 * t) * kVal + g;
+  for (int kc = 0; kc < NT / 2; ++kc) {
+    if (16 * kc >= valid) continue;
+    uint32_t xhi[4], xlo[4];
 #pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-      uint32_t bhi[2], blo[2];
-      mma::tf32_split(v0[8 * dn], bhi[0], blo[0]);
-      mma::tf32_split(v0[kVal + 8 * dn], bhi[1], blo[1]);
-      mma::mma_tf32x3(o[dn], ahi, alo, bhi, blo);
+    for (int e = 0; e < 4; ++e) {  // e: (row g, k 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
+      const int j = 2 * kc + e / 2, c = 2 * (e % 2);
+      split_pair<T>(x[j][c], x[j][c + 1], xhi[e], xlo[e]);
+    }
+#pragma unroll
+    for (int dn = 0; dn < D / 16; ++dn) {
+      const int off = (16 * kc + trow) * kRow + 16 * dn + tcol;
+      uint32_t bf[4];  // b's fragments die before b_lo's load (four registers fewer at the peak)
+      mma::ldsm_x4_trans(bf, b + off);
+      mma::m16n8k16(acc[2 * dn], xhi, {bf[0], bf[1]}, T());
+      mma::m16n8k16(acc[2 * dn + 1], xhi, {bf[2], bf[3]}, T());
+      mma::m16n8k16(acc[2 * dn], xlo, {bf[0], bf[1]}, T());
+      mma::m16n8k16(acc[2 * dn + 1], xlo, {bf[2], bf[3]}, T());
+      if constexpr (kLo) {
+        mma::ldsm_x4_trans(bf, b_lo + off);
+        mma::m16n8k16(acc[2 * dn], xhi, {bf[0], bf[1]}, T());
+        mma::m16n8k16(acc[2 * dn + 1], xhi, {bf[2], bf[3]}, T());
+      }
     }
   }
 }
@@ -172,7 +206,7 @@ __device__ __forceinline__ void chunk_softmax(float (&s)[kChunk / 8][4], float (
     for (int e = 0; e < 4; ++e) {
       const float pe = exp2f(s[j][e] - m_use[e >> 1]);
       l[e >> 1] += pe;
-      s[j][e] = pe;
+      s[j][e] = pe * (1 << kProbExp);
     }
 }
 
@@ -215,8 +249,8 @@ __device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D /
 
 // The softmax attention of query tiles over the head's buffer: grid (blocks per head, Hq, B), 256 threads, dynamic
 // shared memory OutSmem<D>::bytes(p.slots, STAGES). Per tile, each warp calls epilogue(o, m, l, row0) with its
-// unnormalised o = Σ p vals, the running max m (base 2) and this lane's part of the row sums l of rows row0 and
-// row0 + 8. The query fragments are read from the staged tile at each chunk, not held (at most 128 registers: two
+// unnormalised o = Σ p vals (scaled back from the product's powers of two), the running max m (base 2) and this
+// lane's part of the row sums l of rows row0 and row0 + 8. The query fragments are read from the staged tile at each chunk, not held (at most 128 registers: two
 // blocks per SM). STAGES 2: the block's next tile is copied during this one; 1 (where a second tile would cost a
 // resident block, e.g. m 64 at D 128: 104 KB per block): the next tile loads after this one.
 template <typename T, int D, int STAGES, typename Epilogue>
@@ -232,17 +266,21 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
   const int nvalid = p.nvalid[b], rows = S::rows(p.slots);
   uint16_t* khi = reinterpret_cast<uint16_t*>(smem);
   uint16_t* klo = khi + rows * S::kKey;
-  float* vs = reinterpret_cast<float*>(klo + rows * S::kKey);
-  uint16_t* qs = reinterpret_cast<uint16_t*>(vs + rows * S::kVal);
+  uint16_t* vhi = klo + rows * S::kKey;
+  uint16_t* vlo = vhi + rows * S::kKey;
+  uint16_t* qs = vlo + rows * S::kKey;
+  __shared__ float red[kWarps], unscale_s;  // read back after each tile's products: one register fewer in them
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const T* q = static_cast<const T*>(p.q) + b * p.sq.b + h * p.sq.h;
   const int n = p.n;
-  const auto load = [&](int at, int buf) {
+  const auto load = [&](int at, int buf) {  // the head's q formed per tile from the parameters: no register held
+    const T* q = static_cast<const T*>(p.q) + blockIdx.z * p.sq.b + blockIdx.y * p.sq.h;
     mma::load_rows_async<kBQ, D, kThreads>(qs + buf * kBQ * S::kKey, q, p.sq.n, at * kBQ,
                                            [=](int r) { return at * kBQ + r < n; });
   };
   if (STAGES == 2) load(tile, 0);
-  stage_buffer<T, D>(p.keys + bh * p.slots * D, p.vals + bh * p.slots * D, nvalid, rows, khi, klo, vs);
+  const int e = stage_buffer<T, D>(p.keys + bh * p.slots * D, p.vals + bh * p.slots * D, nvalid, rows, khi, klo, vhi,
+                                  vlo, red);
+  if (threadIdx.x == 0) unscale_s = ldexpf(1.f, -e - kProbExp);  // read after the loop's first barrier
   const float scale_log2 = p.root * kLog2e;  // keys carry √scale, q not yet
   // A fragments: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
   const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
@@ -264,8 +302,13 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
       float s[kChunk / 8][4];
       chunk_scores<T, D>(s, qt, arow, acol, khi, klo, c0, nvalid, lane);
       chunk_softmax<D>(s, m, l, o, c0, nvalid, scale_log2, lane);
-      chunk_values<D>(o, s, vs, c0, nvalid, lane);
+      halves_product<__half, D, kChunk / 8, true>(o, s, vhi + c0 * S::kKey, vlo + c0 * S::kKey, nvalid - c0, lane);
     }
+    const float unscale = unscale_s;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[dn][i] *= unscale;
     epilogue(o, m, l, tile * kBQ + 16 * warp + lane / 4);
   }
 }
@@ -273,9 +316,9 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
 // out = softmax(q_s keysᵀ) vals + conv residual, in T.
 template <typename T, int D, int STAGES>
 __global__ void __launch_bounds__(kThreads, 2) nystrom_out_tc_fwd_kernel(const Params p) {
-  const int h = blockIdx.y, b = blockIdx.z;
-  const T* v = static_cast<const T*>(p.v) + b * p.sv.b + (h / p.groups) * p.sv.h;
   attend_tiles<T, D, STAGES>(p, [&](const float (&o)[D / 8][4], const float (&m)[2], const float (&l)[2], int row0) {
+    const int h = blockIdx.y, b = blockIdx.z;  // formed per tile: nothing held across the products
+    const T* v = static_cast<const T*>(p.v) + b * p.sv.b + (h / p.groups) * p.sv.h;
     store_rows<T, D>(p, o, m, l, row0, b, h, v, threadIdx.x % 32);
   });
 }

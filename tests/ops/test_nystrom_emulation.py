@@ -366,6 +366,7 @@ K3_RTOL = {torch.float16: 1e-5, torch.bfloat16: 1e-4}
 @pytest.mark.parametrize("d, dtype, m, hq, hkv, chunk, padded", [
     (64, torch.float16, 32, 1, 1, 128, True),    # two-warp blocks; an exact sequence writes zeros
     (128, torch.bfloat16, 70, 2, 2, 64, False),  # four warps: two landmark tiles (64 + 6), four key splits
+    (128, torch.float16, 64, 1, 1, 192, True),   # four warps at D 128 (one k/v buffer): a split of three key tiles
     (32, torch.float16, 20, 2, 1, 256, True),    # GQA 2:1, one split, padding; the second warp holds 4 landmarks
 ])
 def test_k3_backward_kernel_against_the_oracle(emulator, d, dtype, m, hq, hkv, chunk, padded):
@@ -448,6 +449,26 @@ def test_output_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, blo
     none = torch.isinf(want_lse)
     assert torch.equal(torch.isinf(lse), none) and (lse[none] > 0).all()
     assert_close_to_oracle(lse[~none], want_lse[~none], rtol=SPLIT_RTOL[dtype], name="lse")
+
+
+@pytest.mark.parametrize("vals_scale", [3e5, 1e-7])
+def test_output_kernel_values_beyond_fp16_range(emulator, vals_scale):
+    """The values enter the P values product in fp16 halves times the block's power of two (whatever the input
+    dtype): values far above fp16's largest (3e5 > 65,504) or among its subnormals (1e-7, their residuals far below)
+    keep the output's precision, per block (batch 0 scaled, batch 1 not). bf16 inputs, so the output can hold them."""
+    b, hq, hkv, n, d, slots, dtype = 2, 2, 1, 200, 64, 40, torch.bfloat16
+    q, _, keys, vals, nv, _, _ = buffer_inputs(b, hq, n, slots, [40, 33], d, dtype, 1.0, seed=5)
+    vals[0] *= vals_scale
+    _, _, v = cpu_inputs(b, hkv, hkv, n, n, d, dtype=dtype, seed=5)
+    out, lse = nan_like(q), nan_like(q, (b * hq, n), torch.float32)
+    rc = emulator.nystrom_out_fwd(1, d, b, hq, hkv, n, slots, ctypes.c_float(d ** -0.25), 1, 2, ptr(q), ptr(v),
+                                  ptr(keys), ptr(vals), ptr(nv), None, 0, None, ptr(out), ptr(lse))
+    check_rc(rc, "nystrom_out_fwd")
+    args = (q, v, keys, vals, nv, None, None)
+    want, base = out_oracle(*args, torch.float64), out_oracle(*args, torch.float32).to(dtype)
+    for bi in range(b):
+        assert_close_to_oracle(out[bi], want[bi], baseline=base[bi], factor=FACTOR,
+                               floor=FLOOR * float(want[bi].abs().max()), name=f"out, batch {bi}")
 
 
 @pytest.mark.parametrize("d, dtype, slots, nvalid, blocks_per_head, stages", [c[:6] for c in QUERY_TILE_CASES])
