@@ -51,7 +51,6 @@ struct BwdParams {
   const float* dkl;             // (B, Hkv, m, D): d K̃ (scaled landmark keys), summed over the group
   int kv_chunk;                 // keys per split of nystrom_kv_tc_bwd_kernel (a multiple of 64)
   const float* dql;             // (B, Hq, m, D): d Q̃ (scaled landmark queries)
-  bool dq_in_key_pass;          // the key-gradient kernels add d Q̃'s segment share to dq (a dq holding its buffer part)
   void* dq;                     // (B, Hq, N, D) contiguous, q.dtype
   void* dk;                     // (B, Hkv, N, D) contiguous
   void* dv;
@@ -312,27 +311,6 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_k3_bwd_kernel(const BwdPa
   }
 }
 
-// dq[b, h, j] += √scale share d Q̃[b, h, lt] in this thread's column pairs cols[i], for the q heads h of kv head kvh
-// (token j of a landmark sequence, landmark lt): nystrom_segment_add_bwd_kernel's work, done where Nq = Nk lets the
-// key rows carry it.
-template <typename T, int D, int NP>
-__device__ __forceinline__ void add_query_landmark(const BwdParams& bp, int b, int kvh, int j, int lt, float share,
-                                                   const int (&cols)[NP]) {
-  const Params& p = bp.p;
-  const float mul = share * p.root;
-  for (int hi = 0; hi < p.groups; ++hi) {
-    const long long bh = (long long)b * p.hq + kvh * p.groups + hi;
-    const float* dql = bp.dql + (bh * p.m + lt) * D;
-    unsigned* dqrow = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dq) + (bh * p.n + j) * D);
-#pragma unroll
-    for (int i = 0; i < NP; ++i) {
-      float2 x = Pair<T>::to_float2(dqrow[cols[i]]);
-      add_row(x, dql, cols[i], mul);
-      dqrow[cols[i]] = Pair<T>::from_float2(x);
-    }
-  }
-}
-
 // The gradients of key row j (< N) of batch b, kv head kvh, in this thread's column pairs cols[i] (fp32, dk before its
 // √scale): on entry gk, gv hold what the landmark path accumulated (dS3ᵀ Q̃ and K3ᵀ dW0; zero for exact sequences);
 // adds the landmark keys' gradient spread over their segments, or for exact sequences the gradient of the token's
@@ -354,7 +332,6 @@ __device__ __forceinline__ void key_row_gradients(const BwdParams& bp, int b, in
     const float* dkl = bp.dkl + (bg * p.m + lt) * D;
 #pragma unroll
     for (int i = 0; i < NP; ++i) add_row(gk[i], dkl, cols[i], share);
-    if (bp.dq_in_key_pass) add_query_landmark<T, D>(bp, b, kvh, j, lt, share, cols);
   } else if (rank < p.slots) {
     const float* dkr = bp.dkeys_kv + (bg * p.slots + rank) * D;
     const float* dvr = bp.dvals_kv + (bg * p.slots + rank) * D;
