@@ -85,7 +85,7 @@ __device__ __forceinline__ void add_row(float2& acc, const float* row, int c, fl
 template <int D>
 constexpr int segment_add_rows = kThreads / (D / 8);
 
-// Columns [c, c + 8) of row j (< N) of head bh of that sum (b: its batch, a landmark sequence; `heads` per batch).
+// Columns [c, c + 8) of row j (< N) of head bh of that sum (b: its batch, a landmark sequence).
 template <typename T, int D>
 __device__ __forceinline__ void segment_add_chunk(const BwdParams& bp, const float* rows, void* dst_rows, int b,
                                                   long long bh, int j, int c) {
