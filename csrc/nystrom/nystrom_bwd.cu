@@ -266,14 +266,10 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, cudaStream_t st
     lp.dkl_vjp = ptr(at_dkl_vjp);
     launch_dynamic(nystrom_landmark_grads_bwd_kernel<D>, grid_of(div_up(m, kLandmarkRows), hkv, B), kThreads,
                    landmark_grads_smem_bytes<D>(static_cast<int>(m)), lp, stream);
+    if (late) add_segments(lp.dkl_vjp, dk);
+    else launch_key_gradients();
     bp.dql = lp.dql;
-    if (late) {
-      add_segments(lp.dkl_vjp, dk);
-      if (fused_k1) add_segments(lp.dql, dq);
-    } else {  // dq's landmark part rides on the key tiles (the same tokens): one pass over dq fewer
-      bp.dq_in_key_pass = fused_k1;
-      launch_key_gradients();
-    }
+    if (fused_k1) add_segments(lp.dql, dq);
   } else {
     launch_key_gradients();
   }

@@ -51,7 +51,6 @@ struct BwdParams {
   const float* dkl;             // (B, Hkv, m, D): d K̃ (scaled landmark keys), summed over the group
   int kv_chunk;                 // keys per split of nystrom_kv_tc_bwd_kernel (a multiple of 64)
   const float* dql;             // (B, Hq, m, D): d Q̃ (scaled landmark queries)
-  bool dq_in_key_pass;          // the key-gradient kernels add d Q̃'s segment share to dq (add_query_landmarks)
   void* dq;                     // (B, Hq, N, D) contiguous, q.dtype
   void* dk;                     // (B, Hkv, N, D) contiguous
   void* dv;
@@ -85,15 +84,19 @@ __device__ __forceinline__ void add_row(float2& acc, const float* row, int c, fl
 template <int D>
 constexpr int segment_add_rows = kThreads / (D / 8);
 
-// Columns [c, c + 8) of row j (< N) of head bh of that sum (b: its batch, a landmark sequence).
 template <typename T, int D>
-__device__ __forceinline__ void segment_add_chunk(const BwdParams& bp, const float* rows, void* dst_rows, int b,
-                                                  long long bh, int j, int c) {
+__global__ void __launch_bounds__(kThreads)
+    nystrom_segment_add_bwd_kernel(const BwdParams bp, const float* rows, void* dst_rows) {
+  constexpr int kLanes = D / 8, kRows = segment_add_rows<D>;
   const Params& p = bp.p;
+  const int j = blockIdx.x * kRows + threadIdx.x / kLanes, c = threadIdx.x % kLanes * 8;
+  const int h = blockIdx.y, b = blockIdx.z;
+  if (j >= p.n || bp.exact[b]) return;
   const int rank = real_rank(bp, b, j);
   if (rank < 0) return;
   int lt;
   const float mul = segment_share(p, b, rank, lt) * p.root;
+  const long long bh = (long long)b * gridDim.y + h;
   const float4* src = reinterpret_cast<const float4*>(rows + (bh * p.m + lt) * D + c);
   uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(dst_rows) + (bh * p.n + j) * D + c);
   const float4 lo = src[0], hi = src[1];
@@ -106,32 +109,6 @@ __device__ __forceinline__ void segment_add_chunk(const BwdParams& bp, const flo
     words[i] = Pair<T>::from_float2(make_float2(fmaf(mul, add[2 * i], x.x), fmaf(mul, add[2 * i + 1], x.y)));
   }
   *dst = w;
-}
-
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads)
-    nystrom_segment_add_bwd_kernel(const BwdParams bp, const float* rows, void* dst_rows) {
-  constexpr int kLanes = D / 8, kRows = segment_add_rows<D>;
-  const int j = blockIdx.x * kRows + threadIdx.x / kLanes, c = threadIdx.x % kLanes * 8;
-  const int b = blockIdx.z;
-  if (j >= bp.p.n || bp.exact[b]) return;
-  segment_add_chunk<T, D>(bp, rows, dst_rows, b, (long long)b * gridDim.y + blockIdx.y, j, c);
-}
-
-// With bp.dq_in_key_pass, the key-gradient kernels' share of nystrom_segment_add_bwd_kernel(dql, dq): rows [j0, j0 +
-// count) of dq for the q heads of kv head kvh (batch b, a landmark sequence), by a block of THREADS threads in 16-byte
-// chunks (coalesced, as that kernel), after the block's key rows are stored: one pass over dq fewer where Nq = Nk.
-template <typename T, int D, int THREADS>
-__device__ __forceinline__ void add_query_landmarks(const BwdParams& bp, int b, int kvh, int j0, int count) {
-  constexpr int kLanes = D / 8;
-  const Params& p = bp.p;
-  for (int hi = 0; hi < p.groups; ++hi) {
-    const long long bh = (long long)b * p.hq + kvh * p.groups + hi;
-    for (int e = threadIdx.x; e < count * kLanes; e += THREADS) {
-      const int j = j0 + e / kLanes;
-      if (j < p.n) segment_add_chunk<T, D>(bp, bp.dql, bp.dq, b, bh, j, e % kLanes * 8);
-    }
-  }
 }
 
 // Grid (ceil(N / BQ), Hq, B); the output kernel's tiles.
@@ -475,7 +452,6 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_kv_bwd_kernel(const BwdPa
     store_row<T, TD>(static_cast<T*>(bp.dk) + (bg * p.n + j) * D, dk, p.root, tx);  // k_s = k √scale
     store_row<T, TD>(static_cast<T*>(bp.dv) + (bg * p.n + j) * D, dv, 1.f, tx);
   }
-  if (bp.dq_in_key_pass && landmark) add_query_landmarks<T, D, kThreads>(bp, b, g, j0, BK);
 }
 
 template <int D> struct DqTiles {

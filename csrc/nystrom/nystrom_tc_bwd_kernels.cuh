@@ -679,7 +679,6 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
       }
     }
     store_key_rows<T, D>(bp, b, kvh, j0 + 16 * warp + g, landmark, dk, dv, t);
-    if (bp.dq_in_key_pass && landmark) add_query_landmarks<T, D, kK3Threads>(bp, b, kvh, j0, kK3Keys);
   }
 }
 

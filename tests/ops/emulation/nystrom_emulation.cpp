@@ -203,8 +203,7 @@ extern "C" int nystrom_kv_bwd(int bf16, int d, int b, int hq, int hkv, int n, in
                               int kv_chunk, const void* k, const void* v, const unsigned char* mask, const int* cumsum,
                               const int* n_real, const unsigned char* exact, const float* q_land, const float* dw0,
                               const float* lse3, const float* rowdot, const float* dkl, const float* counts,
-                              const float* dkeys_kv, const float* dvals_kv, void* dk, void* dv, const float* dql,
-                              void* dq) {
+                              const float* dkeys_kv, const float* dvals_kv, void* dk, void* dv) {
   BwdParams bp{};
   bp.p = key_side(d, hq, hkv, n, m, root, k, v, mask, q_land);
   Params& p = bp.p;
@@ -223,9 +222,6 @@ extern "C" int nystrom_kv_bwd(int bf16, int d, int b, int hq, int hkv, int n, in
   bp.dvals_kv = dvals_kv;
   bp.dk = dk;
   bp.dv = dv;
-  bp.dql = dql;  // with dq (B, Hq, N, D) 16-bit: its landmark part added in the key pass
-  bp.dq = dq;
-  bp.dq_in_key_pass = dq != nullptr;
   const bool resident = tc::KvSmem<64, true>::fits(p.groups, m);
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
     if (!resident) return key_gradients<T, D, false>(bp, b);
