@@ -13,6 +13,9 @@
 4. The Newton–Schulz VJP through the steps (nystrom_ns_bwd_kernel's formula) with its fp32 products as 3xTF32 and as
    fp32, the two products with A in float64 rounded to fp32 (as the kernel): the error of dA and of the last dZ
    against float64, for a random dL/dZ.
+5. The dk/dv kernel's two split products (dv = K3ᵀ dW0, dk = dS3ᵀ Q̃: both operands in halves of the input dtype,
+   hi hi + hi lo + lo hi) against the same products with one residual product dropped: each error over the GPU tests' bound (3x the
+   fp32 reference rounded to the dtype, + 1e-5), the worst over inputs x0.05..x10, N 333..4097, m 16 and 64.
 Run: python scripts/nystrom_tc_precision.py (CPU, a few seconds). csrc/nystrom/NOTES.md quotes its output."""
 import torch
 
@@ -176,6 +179,53 @@ def newton_schulz_output_errors(dtype, scale_in, m, n, iters, d=64, seed=0):
     return ratio, relative(outs[1], outs[0]), relative(outs[2], outs[0])
 
 
+def row_halves(x, dtype):
+    """x (rows, cols) float64 as the kernels split it: each row times a power of two (max in [2^14, 2^15), as
+    scale_rows), then a high part and residual in dtype, scaled back."""
+    e = torch.floor(torch.log2(x.abs().clamp_min(1e-300))).amax(-1, keepdim=True)
+    s = torch.pow(2.0, 14 - e)
+    hi = rounded(x * s, dtype) / s
+    return hi, rounded((x - hi) * s, dtype) / s
+
+
+def key_gradient_residual_ratios(dtype, n, m, scale_in, amplify, d=64, seed=0):
+    """{(gradient, variant): kernel error / the tests' bound} for dv = K3ᵀ dW0 and dk = dS3ᵀ Q̃ (keys as rows), variant
+    "hi hi + hi lo + lo hi" (the kernel) or with x's or the landmark side's residual dropped; dW0 with a rank-one part
+    `amplify` times larger (cancellation in dP3 - rowdot)."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = (rounded(torch.randn(n, d, generator=g, dtype=torch.float64) * scale_in, dtype) for _ in range(2))
+    r = d ** -0.25
+    q_land = torch.randn(m, d, generator=g, dtype=torch.float64) * scale_in * 0.3 * r
+    k3 = torch.softmax(q_land @ k.T * r, -1)
+    dw0 = (torch.randn(m, d, generator=g, dtype=torch.float64)
+           + amplify * torch.randn(m, 1, generator=g, dtype=torch.float64) * torch.randn(1, d, generator=g,
+                                                                                      dtype=torch.float64))
+    dp = dw0 @ v.T
+    ds = k3 * (dp - (k3 * dp).sum(-1, keepdim=True))
+    ratios = {}
+    for name, x, b, mul in (("dv", k3, dw0, 1.0), ("dk", ds, q_land, r)):
+        exact = x.T @ b * mul
+        bound = 3 * (rounded(exact, dtype) - exact).abs().max().item() + 1e-5
+        (xh, xl), (bh, bl) = row_halves(x.T, dtype), row_halves(b, dtype)
+        for variant, terms in (("hi hi + hi lo + lo hi", ((xh, bh), (xh, bl), (xl, bh))),
+                               ("x's residual dropped", ((xh, bh), (xh, bl))),
+                               ("landmark residual dropped", ((xh, bh), (xl, bh)))):
+            got = rounded(sum(a @ c for a, c in terms) * mul, dtype)
+            ratios[(name, variant)] = (got - exact).abs().max().item() / bound
+    return ratios
+
+
+def worst_key_gradient_residual_ratios(dtype):
+    worst = {}
+    for n in (333, 1024, 4097):
+        for m in (16, 64):
+            for scale_in in (0.05, 1, 3, 10):
+                for amplify in (0, 50):
+                    for key, ratio in key_gradient_residual_ratios(dtype, n, m, scale_in, amplify, seed=n + m).items():
+                        worst[key] = max(worst.get(key, 0.0), ratio)
+    return worst
+
+
 def main():
     for dtype in (torch.bfloat16, torch.float16):
         for scale_in, m, n, iters in ((1, 64, 4097, 20), (3, 32, 2049, 6), (10, 32, 333, 6), (1, 128, 4097, 20)):
@@ -198,6 +248,9 @@ def main():
         cond, fp32, tf32x3 = newton_schulz_vjp_errors(scale_in, m, iters)
         print(f"NS VJP x{scale_in:<2} m={m:3d} NS {iters:2d} cond(K2) {cond:8.1e}: dA, dZ0 with fp32 products {fp32:.1e}, "
               f"3xTF32 products {tf32x3:.1e}")
+    for dtype in (torch.bfloat16, torch.float16):
+        for (name, variant), ratio in sorted(worst_key_gradient_residual_ratios(dtype).items()):
+            print(f"{str(dtype):15s} {name} {variant:26s}: worst error / the tests' bound {ratio:.2f}")
 
 
 if __name__ == "__main__":
