@@ -3,9 +3,9 @@
 Output kernel: the query fragments by ldmatrix, chunk_scores (keys high part + residual by ldmatrix), chunk_softmax
 (online over 32-row chunks, columns >= nvalid masked, P times 2^8), the P values product (p's C registers as the A
 fragment in two fp16 halves, the values times the block's power of two 2^e in fp16 halves by ldmatrix.trans: hi hi +
-hi lo + lo hi) and store_rows' columns, against the dense softmax(q keysᵀ scale) vals. K3 kernel: landmark_frags, key tiles by ldmatrix, the bias of padded keys, the online
-softmax with fully masked tiles, P's C registers as the A fragment and v by ldmatrix.trans, the partial (max, sum,
-acc), against the dense partial over the split's real keys.
+hi lo + lo hi) and store_rows' columns, against the dense softmax(q keysᵀ scale) vals. K3 kernel: landmark_frags,
+key tiles by ldmatrix, the bias of padded keys, the online softmax with fully masked tiles, P's C registers as the A
+fragment and v by ldmatrix.trans, the partial (max, sum, acc), against the dense partial over the split's real keys.
 
 Two modes: exact (float64 values, splits exact: checks only the indexing, errors ~1e-15 when right) and rounded
 (q and the key halves rounded to fp16 / bf16, the P and value halves to fp16 as split_pair<__half>, fp32 accumulation

@@ -14,8 +14,9 @@
    fp32, the two products with A in float64 rounded to fp32 (as the kernel): the error of dA and of the last dZ
    against float64, for a random dL/dZ.
 5. The dk/dv kernel's two split products (dv = K3ᵀ dW0, dk = dS3ᵀ Q̃: both operands in halves of the input dtype,
-   hi hi + hi lo + lo hi) against the same products with one residual product dropped: each error over the GPU tests' bound (3x the
-   fp32 reference rounded to the dtype, + 1e-5), the worst over inputs x0.05..x10, N 333..4097, m 16 and 64.
+   hi hi + hi lo + lo hi) against the same products with one residual product dropped: each error over the GPU
+   tests' bound (3x the fp32 reference rounded to the dtype, + 1e-5), the worst over inputs x0.05..x10, N 333..4097,
+   m 16 and 64.
 Run: python scripts/nystrom_tc_precision.py (CPU, a few seconds). csrc/nystrom/NOTES.md quotes its output."""
 import torch
 
@@ -184,8 +185,8 @@ def row_halves(x, dtype):
     scale_rows), then a high part and residual in dtype, scaled back."""
     e = torch.floor(torch.log2(x.abs().clamp_min(1e-300))).amax(-1, keepdim=True)
     s = torch.pow(2.0, 14 - e)
-    hi = rounded(x * s, dtype) / s
-    return hi, rounded((x - hi) * s, dtype) / s
+    hi, lo = halves(x * s, dtype)
+    return hi / s, lo / s
 
 
 def key_gradient_residual_ratios(dtype, n, m, scale_in, amplify, d=64, seed=0):

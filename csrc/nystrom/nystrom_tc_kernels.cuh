@@ -250,9 +250,10 @@ __device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D /
 // The softmax attention of query tiles over the head's buffer: grid (blocks per head, Hq, B), 256 threads, dynamic
 // shared memory OutSmem<D>::bytes(p.slots, STAGES). Per tile, each warp calls epilogue(o, m, l, row0) with its
 // unnormalised o = Σ p vals (scaled back from the product's powers of two), the running max m (base 2) and this
-// lane's part of the row sums l of rows row0 and row0 + 8. The query fragments are read from the staged tile at each chunk, not held (at most 128 registers: two
-// blocks per SM). STAGES 2: the block's next tile is copied during this one; 1 (where a second tile would cost a
-// resident block, e.g. m 64 at D 128: 104 KB per block): the next tile loads after this one.
+// lane's part of the row sums l of rows row0 and row0 + 8. The query fragments are read from the staged tile at each
+// chunk, not held (at most 128 registers: two blocks per SM). STAGES 2: the block's next tile is copied during this
+// one; 1 (where a second tile would cost a resident block, e.g. m 64 at D 128: 104 KB per block): the next tile loads
+// after this one.
 template <typename T, int D, int STAGES, typename Epilogue>
 __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogue) {
   static_assert(STAGES == 1 || STAGES == 2, "one or two query tiles");

@@ -355,16 +355,22 @@ def test_tensor_core_kernels_fragment_indexing_emulated_lane_by_lane(capsys):
         assert float(operands) < 0.01 * float(rounding), out
 
 
+def precision_script():
+    """scripts/nystrom_tc_precision.py as a module."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "nystrom_tc_precision.py"
+    spec = importlib.util.spec_from_file_location("nystrom_tc_precision", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dk_dv_products_need_both_residual_products(dtype):
     """scripts/nystrom_tc_precision.py part 5: the dk/dv kernel's split products (hi hi + hi lo + lo hi) stay within half
     the GPU tests' bound (3x the dtype-rounded fp32 reference's error), while dropping either residual product of
     dv = K3ᵀ dW0 exceeds the bound: the three mma per product are what that accuracy costs."""
-    scripts = Path(__file__).resolve().parents[2] / "scripts"
-    spec = importlib.util.spec_from_file_location("nystrom_tc_precision", scripts / "nystrom_tc_precision.py")
-    precision = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(precision)
+    precision = precision_script()
     worst = precision.worst_key_gradient_residual_ratios(dtype)
     for name in ("dv", "dk"):
         assert worst[(name, "hi hi + hi lo + lo hi")] < 0.5, worst
@@ -376,10 +382,7 @@ def test_tensor_core_backward_operand_error_is_far_below_the_dtype_rounding():
     """scripts/nystrom_tc_precision.py: the tensor-core k1 kernel's arithmetic (16-bit halves of the fp32 landmark keys,
     values W, P and dS) stays at least 20x below the rounding of the gradients' dtype, including an ill-conditioned K2
     (|W| / |out| > 100 at 20 Newton-Schulz steps)."""
-    scripts = Path(__file__).resolve().parents[2] / "scripts"
-    spec = importlib.util.spec_from_file_location("nystrom_tc_precision", scripts / "nystrom_tc_precision.py")
-    precision = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(precision)
+    precision = precision_script()
     for dtype, rounding in ((torch.bfloat16, 2.0 ** -8), (torch.float16, 2.0 ** -11)):
         ratio, errors = precision.buffer_gradient_errors(dtype, 1, 64, 4097, 20)
         assert ratio > 100
