@@ -61,6 +61,15 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, f
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// The two values of a pack2 word, as floats (exact).
+template <typename T> __device__ __forceinline__ float2 unpack2(uint32_t w);
+template <> __device__ __forceinline__ float2 unpack2<__half>(uint32_t w) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&w));
+}
+template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
 // x = hi + lo with hi = T(x) and lo = T(x - hi): two 16-bit operands that carry about twice the bits.
 template <typename T> __device__ __forceinline__ void split(float x, T& hi, T& lo);
 template <> __device__ __forceinline__ void split<__half>(float x, __half& hi, __half& lo) {
@@ -70,6 +79,12 @@ template <> __device__ __forceinline__ void split<__half>(float x, __half& hi, _
 template <> __device__ __forceinline__ void split<__nv_bfloat16>(float x, __nv_bfloat16& hi, __nv_bfloat16& lo) {
   hi = __float2bfloat16_rn(x);
   lo = __float2bfloat16_rn(x - __bfloat162float(hi));
+}
+// split() of two values at once, each half packed as pack2 packs them: the same bits as split() of each.
+template <typename T> __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = pack2<T>(x0, x1);
+  const float2 h = unpack2<T>(hi);
+  lo = pack2<T>(x0 - h.x, x1 - h.y);
 }
 
 // m16n8k16 fragments of a row-major 16-bit tile in shared memory (`pitch` elements per row; the tile, pitch and k0
@@ -112,6 +127,34 @@ __device__ __forceinline__ void for_each_b(const T* tile, int pitch, int k0, int
   }
 }
 
+// A of an m16n8k16 from a row-major [k][m] tile, transposed (A = tile^T: rows m0..m0 + 15, columns k0..k0 + 15), by
+// ldmatrix.trans.
+template <typename T>
+__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], const T* tile, int pitch, int m0, int k0, int lane) {
+  ldsm_x4_trans(a, tile + (k0 + (lane & 7) + (lane >> 4) * 8) * pitch + m0 + ((lane >> 3) & 1) * 8);
+}
+
+// fn(n, b) for the n-tiles n < NN in order, b the B fragment of n-tile n (columns 8n..8n + 7) of a row-major [k][n]
+// tile, rows k0..k0 + 15, by ldmatrix.trans: two n-tiles per .x4, a lone last one by .x2.
+template <int NN, typename T, typename Fn>
+__device__ __forceinline__ void for_each_b_trans(const T* tile, int pitch, int k0, int lane, Fn&& fn) {
+  const T* row = tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * pitch;
+#pragma unroll
+  for (int n = 0; n < NN; n += 2) {
+    if (n + 1 < NN) {
+      uint32_t b[4];
+      ldsm_x4_trans(b, row + 8 * (n + (lane >> 4)));
+      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      fn(n, b0);
+      fn(n + 1, b1);
+    } else {
+      uint32_t b[2];
+      ldsm_x2_trans(b, row + 8 * n);
+      fn(n, b);
+    }
+  }
+}
+
 // A thread's share of a block copying ROWS rows of D 16-bit elements in 16-byte chunks into a shared tile with rows
 // D + 8 elements apart: chunk chunk() of rows row() + kPass i, i < kIters. Addresses are formed once per copy and
 // advanced by kPass rows (no division per chunk; a 64-bit add per global address, constant shared offsets).
@@ -119,13 +162,14 @@ template <int ROWS, int D, int THREADS> struct RowChunks {
   static constexpr int kChunks = D / 8, kPass = THREADS / kChunks, kIters = ROWS / kPass;
   static constexpr int kBatch = kIters < 4 ? kIters : 4;  // loads in flight per thread before their stores
   static_assert(THREADS % kChunks == 0 && ROWS % kPass == 0 && kIters % kBatch == 0, "tile shapes");
-  static __device__ __forceinline__ int row() { return threadIdx.x / kChunks; }
-  static __device__ __forceinline__ uint4* dst(void* tile, int i) {  // this thread's chunk of pass i
+  static __device__ __forceinline__ int row(int tid) { return tid / kChunks; }
+  static __device__ __forceinline__ uint4* dst(void* tile, int i, int tid) {  // this thread's chunk of pass i
     return reinterpret_cast<uint4*>(static_cast<char*>(tile) +
-                                    2 * ((row() + kPass * i) * (D + 8) + 8 * (threadIdx.x % kChunks)));
+                                    2 * ((row(tid) + kPass * i) * (D + 8) + 8 * (tid % kChunks)));
   }
-  template <typename T> static __device__ __forceinline__ const T* src(const T* x, long long stride, int row0) {
-    return x + (row0 + row()) * stride + 8 * (threadIdx.x % kChunks);
+  template <typename T>
+  static __device__ __forceinline__ const T* src(const T* x, long long stride, int row0, int tid) {
+    return x + (row0 + row(tid)) * stride + 8 * (tid % kChunks);
   }
 };
 
@@ -136,8 +180,8 @@ template <int ROWS, int D, int THREADS> struct RowChunks {
 template <int ROWS, int D, int THREADS, typename T, typename Ok>
 __device__ __forceinline__ void load_rows(void* tile, const T* x, long long stride, int row0, Ok ok) {
   using C = RowChunks<ROWS, D, THREADS>;
-  const int r = C::row();
-  const T* src = C::src(x, stride, row0);
+  const int tid = threadIdx.x, r = C::row(tid);
+  const T* src = C::src(x, stride, row0, tid);
 #pragma unroll
   for (int i0 = 0; i0 < C::kIters; i0 += C::kBatch) {
     uint4 val[C::kBatch];
@@ -147,20 +191,22 @@ __device__ __forceinline__ void load_rows(void* tile, const T* x, long long stri
       if (ok(r + C::kPass * (i0 + i))) val[i] = __ldg(reinterpret_cast<const uint4*>(src));
     }
 #pragma unroll
-    for (int i = 0; i < C::kBatch; ++i) *C::dst(tile, i0 + i) = val[i];
+    for (int i = 0; i < C::kBatch; ++i) *C::dst(tile, i0 + i, tid) = val[i];
   }
 }
 
-// The same by cp.async (no registers): completes at cp_async_wait_all.
+// The same by cp.async (no registers), as one committed group: completes at cp_async_wait_all. tid: this thread's
+// index among the THREADS that copy the tile (default: the block's threads; a warp's lane for a warp's own rows).
 template <int ROWS, int D, int THREADS, typename T, typename Ok>
-__device__ __forceinline__ void load_rows_async(void* tile, const T* x, long long stride, int row0, Ok ok) {
+__device__ __forceinline__ void load_rows_async(void* tile, const T* x, long long stride, int row0, Ok ok,
+                                                int tid = threadIdx.x) {
   using C = RowChunks<ROWS, D, THREADS>;
-  const int r = C::row();
-  const T* src = C::src(x, stride, row0);
+  const int r = C::row(tid);
+  const T* src = C::src(x, stride, row0, tid);
 #pragma unroll
   for (int i = 0; i < C::kIters; ++i, src += C::kPass * stride) {
     const bool valid = ok(r + C::kPass * i);
-    cp_async16(C::dst(tile, i), valid ? src : x, valid);
+    cp_async16(C::dst(tile, i, tid), valid ? src : x, valid);
   }
   cp_async_commit();
 }

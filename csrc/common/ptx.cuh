@@ -73,6 +73,11 @@ __device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 
+__device__ __forceinline__ void ldsm_x2_trans(uint32_t (&r)[2], const void* p) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
 // 16 bytes from global src to shared dst without passing through registers (cp.async, sm_80+); valid = false:
 // 16 zero bytes, src not read. Completes at cp_async_wait_all after cp_async_commit.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {

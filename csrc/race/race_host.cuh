@@ -173,7 +173,7 @@ inline bool phi_tile_enabled() {
   return enabled;
 }
 
-// The causal out kernel loads the next chunk's rows while this chunk computes (race_group_out_fwd_kernel<..., true,
+// The causal out kernel loads the next chunk's rows while this chunk computes (race_group_out_fwd_kernel<..., PREFETCH =
 // true>) where the GPU has causal_out_bytes of shared memory per block; otherwise, or with HFAB_RACE_PREFETCH=0 (for
 // comparison and testing), it loads each chunk's rows when it needs them: the same outputs bit for bit.
 inline bool causal_prefetch(const c10::Device& device, int bytes) {
@@ -226,13 +226,13 @@ void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, c
   const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
   const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
   if (p.causal && causal_prefetch(device, tc::Tiles<T, D>::causal_out_bytes))
-    launch_bytes(op, tc::race_group_out_fwd_kernel<T, D, true>, dim3(blocks, h, b), tc::kThreads,
+    launch_bytes(op, tc::race_group_out_fwd_kernel<T, D>, dim3(blocks, h, b), tc::kThreads,
                  tc::Tiles<T, D>::causal_out_bytes, p, device, stream);
   else if (p.causal)  // e.g. 99 KB per block (sm_86, sm_89) at D = 64: the tiles without the prefetch ones
-    launch_bytes(op, tc::race_group_out_fwd_kernel<T, D, true, false>, dim3(blocks, h, b), tc::kThreads,
+    launch_bytes(op, tc::race_group_out_fwd_kernel<T, D, false>, dim3(blocks, h, b), tc::kThreads,
                  tc::Tiles<T, D>::bytes, p, device, stream);
   else  // no key tiles: packed, fewer bytes per block
-    launch_bytes(op, tc::race_group_out_fwd_kernel<T, D, false>, dim3(blocks, h, b), tc::kThreads,
+    launch_bytes(op, tc::race_query_out_fwd_kernel<T, D>, dim3(blocks, h, b), tc::kThreads,
                  tc::Tiles<T, D>::query_out_bytes, p, device, stream);
 }
 

@@ -6,13 +6,14 @@
 //   race_scan_fwd_kernel         exclusive prefix over the groups (race_kernels.cuh; slot ngk = total)
 //   race_group_out_fwd_kernel    causal: per key-chunk group, walks its chunks in order with the running
 //                                state in shared memory (fp32): out of the chunk's query tile, then
-//                                state += phi(k)^T [v, 1]. Non-causal: per group of query tiles, out from
-//                                the total state.
+//                                state += phi(k)^T [v, 1]
+//   race_query_out_fwd_kernel    non-causal: per group of query tiles, out from the total state
 // 128 threads (4 warps); warp w owns rows [16w, 16w + 16) of a 64-row tile (queries or features).
 // Operand precision (measured in a float64 simulation, NOTES.md): projections x W^T with W split in
 // two T halves (hi + lo); scores phi(q) phi(k)^T with fp16 features; a v and phi(k)^T v with the non-v
 // operand split in two T halves, v in T; the state apply phi(q) [A, z] in tf32 (the state is fp32 and
-// can exceed the fp16 range). The denominators ride along as one more column: v gets a row of ones
+// can exceed the fp16 range) where the state grows (causal), in two fp16 halves of the state times one power of
+// two where it is fixed (non-causal). The denominators ride along as one more column: v gets a row of ones
 // (intra-chunk sums of a), the state keeps z in column D, so num and den see the same rounded a.
 // No atomics: every sum has a fixed order. Pure CUDA.
 #pragma once
@@ -47,8 +48,10 @@ struct Tiles {
   static constexpr int st_off = ok_off + 2 * kC * 4;                // flags of query rows, key rows
   static constexpr int bytes = st_off + kS * kX * 4;                // fp32 state [feature][d], column D = z
   // Kernels that use part of the tiles pack them below the ones they skip (fewer bytes: more blocks per SM):
-  // kKeyStates (race_group_state_fwd_kernel): no phq, phk, st; pkt, vt and the flags move down to phq_off.
-  // kQueryOut (the non-causal race_group_out_fwd_kernel): no phk, pkt, vt; the flags and st move down to phk_off.
+  // kKeyStates (race_group_state_fwd_kernel): x, w, the sigma tables, then phi(k) in T halves row-major (phr: hi
+  // [key][feature], lo after it) at phq_off, and two v tiles xv (row-major, column D = 1: the z column).
+  // kQueryOut (race_query_out_fwd_kernel): x, w, the sigma tables, phq, then the state in fp16 halves (sth: hi
+  // [feature][d], lo after it; z in column D) at phk_off.
   // kCausalOut (the causal race_group_out_fwd_kernel): every tile, a second x tile (xk, at `bytes`) for the key
   // rows, so that the next chunk's query and key rows both load (cp.async) while this chunk computes, and where
   // sm_80 has room (D <= 64) a tile xv for the next chunk's v rows (row-major; key_chunk transposes it into vt).
@@ -57,14 +60,10 @@ struct Tiles {
   enum class Use { kAll, kKeyStates, kQueryOut, kCausalOut };
   static constexpr bool causal_stages_v = D <= 64;
   static constexpr int causal_out_bytes = bytes + (causal_stages_v ? 2 : 1) * x_bytes;
-  static constexpr int ks_vt_off = phq_off + 2 * kS * kT * 2;
-  static constexpr int ks_ok_off = ks_vt_off + kX * kT * 2;
-  static constexpr int ks_xv_off = ks_ok_off + 2 * kC * 4;
-  static constexpr int key_states_bytes = ks_xv_off + x_bytes;
-  static constexpr int qo_st_off = phk_off + 2 * kC * 4;
-  static constexpr int query_out_bytes = qo_st_off + kS * kX * 4;
-  static_assert(ks_vt_off % 16 == 0 && ks_ok_off % 16 == 0 && ks_xv_off % 16 == 0 && qo_st_off % 16 == 0 &&
-                st_off % 16 == 0 &&
+  static constexpr int ks_xv_off = phq_off + 2 * kC * kT * 2;
+  static constexpr int key_states_bytes = ks_xv_off + 2 * x_bytes;
+  static constexpr int query_out_bytes = phk_off + 2 * kS * kX * 2;
+  static_assert(ks_xv_off % 16 == 0 && st_off % 16 == 0 &&
                 bytes % 16 == 0 && x_bytes % 16 == 0, "16-byte aligned tiles");
   static_assert(w_off % 16 == 0 && phq_off % 16 == 0 && phk_off % 16 == 0 && pkt_off % 16 == 0 && vt_off % 16 == 0 &&
                 kX % 8 == 0 && kT % 8 == 0, "ldmatrix: every row of the 16-bit tiles 16-byte aligned");
@@ -72,9 +71,10 @@ struct Tiles {
 
   T *x, *xk, *w, *pkt = nullptr, *vt = nullptr;  // xk: x of key rows (x itself but in kCausalOut)
   T* xv = nullptr;                                // v rows, row-major, when staged (else load_vt reads global)
+  T* phr = nullptr;
   float *sp, *sm, *st = nullptr;
-  __half *phq = nullptr, *phk = nullptr;
-  int *okq, *okk;
+  __half *phq = nullptr, *phk = nullptr, *sth = nullptr;
+  int *okq = nullptr, *okk = nullptr;
   bool prefetch;
 
   __device__ explicit Tiles(char* base, Use use = Use::kAll)
@@ -85,28 +85,26 @@ struct Tiles {
         sm(sp + kC * kLPMax),
         prefetch(use != Use::kAll) {
     if (use == Use::kKeyStates) {
-      pkt = reinterpret_cast<T*>(base + phq_off);
-      vt = reinterpret_cast<T*>(base + ks_vt_off);
-      okq = reinterpret_cast<int*>(base + ks_ok_off);
+      phr = reinterpret_cast<T*>(base + phq_off);
       xv = reinterpret_cast<T*>(base + ks_xv_off);
     } else if (use == Use::kQueryOut) {
       phq = reinterpret_cast<__half*>(base + phq_off);
-      okq = reinterpret_cast<int*>(base + phk_off);
-      st = reinterpret_cast<float*>(base + qo_st_off);
+      sth = reinterpret_cast<__half*>(base + phk_off);
     } else {
       pkt = reinterpret_cast<T*>(base + pkt_off);
       vt = reinterpret_cast<T*>(base + vt_off);
       phq = reinterpret_cast<__half*>(base + phq_off);
       phk = reinterpret_cast<__half*>(base + phk_off);
       okq = reinterpret_cast<int*>(base + ok_off);
+      okk = okq + kC;
       st = reinterpret_cast<float*>(base + st_off);
       if (use == Use::kCausalOut && causal_stages_v) xv = reinterpret_cast<T*>(base + bytes + x_bytes);
     }
-    okk = okq + kC;
   }
 };
 
-// Planes split into T halves (rows >= L*P are 0); rows D.. of v^T: a row of ones, then zeros.
+// Planes split into T halves (rows >= L*P are 0); rows D.. of v^T: a row of ones, then zeros; in kKeyStates' two
+// row-major v tiles, columns D.. of every row: a one, then zeros (the copies of v rows write columns < D only).
 template <typename T, int D>
 __device__ void init_constants(const Params& p, Tiles<T, D>& s) {
   constexpr int kX = Tiles<T, D>::kX;
@@ -116,6 +114,11 @@ __device__ void init_constants(const Params& p, Tiles<T, D>& s) {
     mma::split<T>(lt < p.lp ? p.planes[lt * D + d] : 0.f, hi, lo);
     s.w[lt * kX + d] = hi;
     s.w[(kLPMax + lt) * kX + d] = lo;
+  }
+  if (s.phr != nullptr) {
+    for (int e = threadIdx.x; e < 2 * kC * 8; e += kThreads)
+      s.xv[(e / 8) * kX + D + e % 8] = from_float<T>(e % 8 == 0 ? 1.f : 0.f);
+    return;
   }
   if (s.vt == nullptr) return;  // kQueryOut: no v^T tile
   for (int e = threadIdx.x; e < 8 * kC; e += kThreads) {
@@ -215,19 +218,15 @@ __device__ __forceinline__ void table_features(const float* sp, const float* sm,
   }
 }
 
-// features() for P planes per table. An item is 2^Q consecutive features (Q = min(P, 4): at most 16 values in
-// registers) of one row: the product of its first P - Q planes, then table_features. A warp takes 32
-// consecutive rows of one item, so the transposed pkt stores of a feature are 64 contiguous bytes.
-template <typename T, int P>
-__device__ __forceinline__ void features_p(const Params& p, const int* ok, const float* sp, const float* sm,
-                                           __half* phi, T* pkt, float* phi32) {
-  constexpr int Q = P < 4 ? P : 4;
-  constexpr int R = 1 << Q;
-  for (int e = threadIdx.x; e < kC * (kS / R); e += kThreads) {
-    const int r = e % kC, item = e / kC;  // features [item R, item R + R)
+// An item of the feature map for P planes per table: 2^Q consecutive features (Q = min(P, 4): at most 16 values in
+// registers) of one row. The features of `item` (features [item R, item R + R)) of row r from its sigma tables: the
+// product of its first P - Q planes, then table_features; zeros past the tables and for rows with ok = false.
+template <int P> struct Items {
+  static constexpr int Q = P < 4 ? P : 4, R = 1 << Q, kPerRow = kS / R;
+  static __device__ __forceinline__ void values(const Params& p, const float* sp, const float* sm, int r, int item,
+                                                bool ok, float (&val)[R]) {
     const int l = item >> (P - Q), top = item & ((1 << (P - Q)) - 1);
-    float val[R];
-    if (l < p.tables && ok[r]) {
+    if (l < p.tables && ok) {
       const float* pos = sp + r * kLPMax + l * P;
       const float* neg = sm + r * kLPMax + l * P;
       float start = 1.f;
@@ -238,19 +237,52 @@ __device__ __forceinline__ void features_p(const Params& p, const int* ok, const
 #pragma unroll
       for (int i = 0; i < R; ++i) val[i] = 0.f;
     }
-    if (phi != nullptr) {
-      __half* row = phi + r * kT + item * R;
-      if constexpr (R >= 8) {  // 16-byte stores: 8 rows per phase hit 32 distinct banks (row stride kT)
+  }
+};
+
+// R 16-bit values packed in R / 2 words at dst (an item of a row of a [..][kT] tile): 16-byte stores where R >= 8, so
+// that 8 rows per phase hit 32 distinct banks (row stride kT).
+template <int R>
+__device__ __forceinline__ void store_words(void* dst, const uint32_t* w) {
+  if constexpr (R >= 8) {
 #pragma unroll
-        for (int i = 0; i < R; i += 8)
-          *reinterpret_cast<uint4*>(row + i) =
-              make_uint4(mma::pack2<__half>(val[i], val[i + 1]), mma::pack2<__half>(val[i + 2], val[i + 3]),
-                         mma::pack2<__half>(val[i + 4], val[i + 5]), mma::pack2<__half>(val[i + 6], val[i + 7]));
-      } else {
+    for (int i = 0; i < R / 2; i += 4) static_cast<uint4*>(dst)[i / 4] = make_uint4(w[i], w[i + 1], w[i + 2], w[i + 3]);
+  } else if constexpr (R == 4) {
+    *static_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  } else {
+    *static_cast<uint32_t*>(dst) = w[0];
+  }
+}
+
+// val in fp16 at dst (store_words).
+template <int R>
+__device__ __forceinline__ void store_halves(__half* dst, const float (&val)[R]) {
+  uint32_t w[R / 2];
 #pragma unroll
-        for (int i = 0; i < R; i += 2) *reinterpret_cast<uint32_t*>(row + i) = mma::pack2<__half>(val[i], val[i + 1]);
-      }
-    }
+  for (int j = 0; j < R / 2; ++j) w[j] = mma::pack2<__half>(val[2 * j], val[2 * j + 1]);
+  store_words<R>(dst, w);
+}
+
+// fn(i, r, item) for the warp's share of the feature map of its 16 rows r0..: Items<P>::kPerRow / 2 (row, item) pairs
+// i, lanes 0..15 on rows r0.. of one item and lanes 16..31 on the next.
+template <int P, typename Fn>
+__device__ __forceinline__ void warp_pairs(int r0, Fn&& fn) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < Items<P>::kPerRow / 2; ++i) fn(i, r0 + lane % 16, lane / 16 + 2 * i);
+}
+
+// features() for P planes per table. A warp takes 32 consecutive rows of one item, so the transposed pkt stores of
+// a feature are 64 contiguous bytes.
+template <typename T, int P>
+__device__ __forceinline__ void features_p(const Params& p, const int* ok, const float* sp, const float* sm,
+                                           __half* phi, T* pkt, float* phi32) {
+  constexpr int R = Items<P>::R;
+  for (int e = threadIdx.x; e < kC * Items<P>::kPerRow; e += kThreads) {
+    const int r = e % kC, item = e / kC;  // features [item R, item R + R)
+    float val[R];
+    Items<P>::values(p, sp, sm, r, item, ok[r] != 0, val);
+    if (phi != nullptr) store_halves<R>(phi + r * kT + item * R, val);
     if (pkt != nullptr) {
 #pragma unroll
       for (int i = 0; i < R; ++i) {
@@ -365,19 +397,86 @@ __device__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa,
   __syncthreads();
 }
 
+// Starts loading (cp.async, one committed group) the warp's 16 rows of key chunk rows [key0, key0 + 64) of x (k or v)
+// into the same rows of a [64][D + 8] tile: zeros past the keys and for padding.
+template <typename T, int D>
+__device__ __forceinline__ void warp_key_rows_async(const Params& p, const T* x, long long stride, int b, int key0,
+                                                    T* tile) {
+  const int r0 = (threadIdx.x / 32) * 16, k0 = key0 + r0;
+  mma::load_rows_async<16, D, 32>(tile + r0 * (D + 8), x, stride, k0, [&p, b, k0](int r) { return key_ok(p, b, k0 + r); },
+                                  static_cast<int>(threadIdx.x % 32));
+}
+
+// acc[n] += phi(k)^T [v, 1] for the warp's 16 features (columns 16w.. of phr: phi(k) in T halves, hi [key][feature],
+// lo kC kT after) over the chunk's 64 keys, and the D / 8 + 1 n-tiles of the row-major v tile xv (column D = 1), both
+// operands by ldmatrix.trans; per n-tile hi, then lo (state_delta's order).
+template <typename T, int D>
+__device__ __forceinline__ void state_delta_rows(const T* phr, const T* xv, float (&acc)[D / 8 + 1][4]) {
+  const int lane = threadIdx.x % 32, f0 = (threadIdx.x / 32) * 16;
+#pragma unroll
+  for (int kk = 0; kk < kC / 16; ++kk) {
+    uint32_t hi[4], lo[4];
+    mma::load_a_trans(hi, phr, kT, f0, kk * 16, lane);
+    mma::load_a_trans(lo, phr + kC * kT, kT, f0, kk * 16, lane);
+    mma::for_each_b_trans<D / 8 + 1>(xv, D + 8, kk * 16, lane, [&](int n, const uint32_t (&b)[2]) {
+      mma::m16n8k16(acc[n], hi, b, T{});
+      mma::m16n8k16(acc[n], lo, b, T{});
+    });
+  }
+}
+
+// Per (key-chunk group, q head, batch): the group's sum_j phi(k_j) [v_j, 1]^T into slot grp of p.kstate, p.kz. Each
+// warp loads (cp.async), projects and maps its 16 rows of every chunk on its own; two barriers per chunk: before its
+// phi(k) halves overwrite the tile that the previous chunk's products read, and before this chunk's products.
+// The k rows of chunk kappa + 1 load from the warp's projection of chunk kappa on, its v rows (the other v tile)
+// from the first barrier on.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1) race_group_state_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
   Tiles<T, D> s(smem_raw, Tiles<T, D>::Use::kKeyStates);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
-  prefetch_keys<T, D>(p, hd, b, grp * kGroup, s);
+  const int first = grp * kGroup, end = min(p.nkc, (grp + 1) * kGroup), r0 = (threadIdx.x / 32) * 16;
+  const auto key0 = [&p](int kappa) { return p.s0 + kappa * kC; };
+  warp_key_rows_async<T, D>(p, hd.k, p.sk.n, b, key0(first), s.x);
+  warp_key_rows_async<T, D>(p, hd.v, p.sv.n, b, key0(first), s.xv);
   init_constants<T, D>(p, s);
+  __syncthreads();
   float acc[D / 8 + 1][4] = {};
-  const int end = min(p.nkc, (grp + 1) * kGroup);
-  for (int kappa = grp * kGroup; kappa < end; ++kappa) {
-    key_chunk<T, D>(p, hd, b, kappa, s, false, kappa + 1 < end ? kappa + 1 : -1);
-    state_delta<T, D / 8 + 1>(s.pkt, s.vt, 0, D / 8 + 1, acc);
+  for (int kappa = first; kappa < end; ++kappa) {
+    const bool more = kappa + 1 < end;
+    T* xv = s.xv + ((kappa - first) & 1) * kC * (D + 8);
+    T* xv_next = s.xv + ((kappa - first + 1) & 1) * kC * (D + 8);
+    mma::cp_async_wait_prior<1>();  // the warp's k rows of this chunk (its v rows may still be on their way)
+    __syncwarp();
+    project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm);
+    __syncwarp();  // the warp's x rows read, its sigma tables written
+    if (more) warp_key_rows_async<T, D>(p, hd.k, p.sk.n, b, key0(kappa + 1), s.x);
+    else mma::cp_async_commit();  // an empty group: the waits count the same groups in every chunk
+    uint32_t hi[16], lo[16];  // the warp's phi(k) values in T halves: 16 rows x 64 features / 32 lanes / 2 per word
+    dispatch_planes(p, [&](auto planes) {
+      constexpr int P = decltype(planes)::value, R = Items<P>::R;
+      warp_pairs<P>(r0, [&](int i, int r, int item) {
+        float val[R];
+        Items<P>::values(p, s.sp, s.sm, r, item, key_ok(p, b, key0(kappa) + r), val);
+#pragma unroll
+        for (int j = 0; j < R / 2; ++j)
+          mma::split2<T>(val[2 * j], val[2 * j + 1], hi[i * R / 2 + j], lo[i * R / 2 + j]);
+      });
+    });
+    __syncthreads();  // every warp is done with the previous chunk's phi(k) tile and v tile
+    dispatch_planes(p, [&](auto planes) {
+      constexpr int P = decltype(planes)::value, R = Items<P>::R;
+      warp_pairs<P>(r0, [&](int i, int r, int item) {
+        store_words<R>(s.phr + r * kT + item * R, hi + i * R / 2);
+        store_words<R>(s.phr + (kC + r) * kT + item * R, lo + i * R / 2);
+      });
+    });
+    if (more) warp_key_rows_async<T, D>(p, hd.v, p.sv.n, b, key0(kappa + 1), xv_next);
+    else mma::cp_async_commit();
+    mma::cp_async_wait_prior<2>();  // the warp's v rows of this chunk
+    __syncthreads();
+    state_delta_rows<T, D>(s.phr, xv, acc);
   }
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
   float* A = p.kstate + (hd.bh * (p.ngk + 1) + grp) * p.features * D;
@@ -451,8 +550,7 @@ __device__ __forceinline__ void masked_scores_times_v(const Tiles<T, D>& s, floa
 
 // [num, den] of one query tile (acc in the C layout; den in column D): phi(q) [A, z] from the state tile
 // (tf32), plus, when `intra`, the masked chunk product (phi(q) phi(k)^T masked to j <= i) [v, 1].
-// kTf32State: the state tile already holds tf32-rounded values (load_state's round_tf32), so no cvt per use.
-template <typename T, int D, bool kTf32State = false>
+template <typename T, int D>
 __device__ __forceinline__ void tile_num(const Tiles<T, D>& s, bool intra, float (&acc)[D / 8 + 1][4]) {
   constexpr int kX = D + 8;
   constexpr int kN = D / 8 + 1;
@@ -465,8 +563,7 @@ __device__ __forceinline__ void tile_num(const Tiles<T, D>& s, bool intra, float
 #pragma unroll
     for (int n = 0; n < kN; ++n) {
       const float* col = s.st + (kk * 8 + t) * kX + n * 8 + g;
-      const uint32_t b[2] = {kTf32State ? __float_as_uint(col[0]) : mma::to_tf32(col[0]),
-                             kTf32State ? __float_as_uint(col[4 * kX]) : mma::to_tf32(col[4 * kX])};
+      const uint32_t b[2] = {mma::to_tf32(col[0]), mma::to_tf32(col[4 * kX])};
       mma::m16n8k8_tf32(acc[n], a, b);
     }
   }
@@ -477,13 +574,11 @@ __device__ __forceinline__ void tile_num(const Tiles<T, D>& s, bool intra, float
   }
 }
 
-// out rows [row0, row0 + 64) of one query tile: out = num / den (tile_num).
-template <typename T, int D, bool kTf32State = false>
-__device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, bool intra, int row0, T* out) {
+// out = num / den for the warp's 16 rows row0 + 16w.. (acc: [num, den] in the C layout, den in column D).
+template <typename T, int D>
+__device__ __forceinline__ void store_out(const Params& p, const float (&acc)[D / 8 + 1][4], int row0, T* out) {
   constexpr int kN = D / 8 + 1;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
-  float acc[kN][4] = {};
-  tile_num<T, D, kTf32State>(s, intra, acc);
   const int quad = lane & ~3;  // den = column D, held by the quad's t = 0 lane
   const float den0 = __shfl_sync(0xffffffffu, acc[kN - 1][0], quad);
   const float den1 = __shfl_sync(0xffffffffu, acc[kN - 1][2], quad);
@@ -498,6 +593,14 @@ __device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, 
       *reinterpret_cast<uint32_t*>(out + (long long)i * D + n * 8 + 2 * t) =
           mma::pack2<T>(acc[n][2 * half] * inv, acc[n][2 * half + 1] * inv);
   }
+}
+
+// out rows [row0, row0 + 64) of one query tile: out = num / den (tile_num).
+template <typename T, int D>
+__device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, bool intra, int row0, T* out) {
+  float acc[D / 8 + 1][4] = {};
+  tile_num<T, D>(s, intra, acc);
+  store_out<T, D>(p, acc, row0, out);
 }
 
 // Query tile m: flags, x, phi(q) (fp16) into phq, or fp32 into phi32 instead when that is not null. Backward
@@ -524,14 +627,12 @@ __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, 
 }
 
 // One state (A (S, D), z (S); global memory, 16-byte aligned, read-only while the kernel runs) into s.st:
-// [feature][d] fp32, z in column D, zeros elsewhere; round_tf32: each value rounded to tf32 (as tile_num would
-// round it at every use) for a state that is only read. A in 16-byte loads, four per thread in flight before
+// [feature][d] fp32, z in column D, zeros elsewhere. A in 16-byte loads, four per thread in flight before
 // their stores (one 4-byte load then its store per element before: 36 latencies in turn per thread at D = 64).
 template <typename T, int D>
-__device__ void load_state(const Params& p, const float* A, const float* z, Tiles<T, D>& s, bool round_tf32 = false) {
+__device__ void load_state(const Params& p, const float* A, const float* z, Tiles<T, D>& s) {
   constexpr int kX = D + 8, kQuads = D / 4, kIters = kS * kQuads / kThreads, kBatch = kIters < 4 ? kIters : 4;
   static_assert(kS * kQuads % kThreads == 0 && kIters % kBatch == 0, "state tile shapes");
-  auto rounded = [round_tf32](float x) { return round_tf32 ? __uint_as_float(mma::to_tf32(x)) : x; };
 #pragma unroll
   for (int i0 = 0; i0 < kIters; i0 += kBatch) {
     float4 val[kBatch];
@@ -543,21 +644,19 @@ __device__ void load_state(const Params& p, const float* A, const float* z, Tile
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
       const int e = threadIdx.x + (i0 + i) * kThreads, f = e / kQuads, c = e % kQuads;
-      *reinterpret_cast<float4*>(s.st + f * kX + 4 * c) =
-          make_float4(rounded(val[i].x), rounded(val[i].y), rounded(val[i].z), rounded(val[i].w));
+      *reinterpret_cast<float4*>(s.st + f * kX + 4 * c) = val[i];
     }
   }
   for (int e = threadIdx.x; e < kS * 8; e += kThreads) {  // columns D..D+7: z, then zeros
     const int f = e / 8, d = e % 8;
-    s.st[f * kX + D + d] = d == 0 && f < p.features ? rounded(z[f]) : 0.f;
+    s.st[f * kX + D + d] = d == 0 && f < p.features ? z[f] : 0.f;
   }
 }
 
 // Key-state slot `slot` of (b, h) into s.st.
 template <typename T, int D>
-__device__ void load_state(const Params& p, long long bh, int slot, Tiles<T, D>& s, bool round_tf32 = false) {
-  load_state<T, D>(p, p.kstate + (bh * (p.ngk + 1) + slot) * p.features * D, p.kz + (bh * (p.ngk + 1) + slot) * p.features, s,
-                   round_tf32);
+__device__ void load_state(const Params& p, long long bh, int slot, Tiles<T, D>& s) {
+  load_state<T, D>(p, p.kstate + (bh * (p.ngk + 1) + slot) * p.features * D, p.kz + (bh * (p.ngk + 1) + slot) * p.features, s);
 }
 
 // s.st += phi(k)^T [v, 1] of the chunk in pkt / vt (the caller has a barrier after the last reader of st).
@@ -582,44 +681,142 @@ __device__ __forceinline__ void advance_state(Tiles<T, D>& s) {
   }
 }
 
-// CAUSAL = p.causal, a template parameter so that each branch's tile layout is a compile-time constant. PREFETCH
-// (causal): the kCausalOut layout, else kAll (no prefetch: for GPUs with less shared memory per block).
-template <typename T, int D, bool CAUSAL, bool PREFETCH = true>
+// The total key state (slot p.ngk of (b, h)) into s.sth as fp16 halves (hi [feature][d], lo kS kX after it; z in
+// column D, zeros elsewhere), every value times one power of two 2^e for the block: max |value| 2^e in [2^14, 2^15)
+// keeps both halves within fp16's range and lo above its subnormals for all but values 2^-38 below the largest (e = 0
+// when the largest is 0 or not finite). num and den carry the same 2^e, which num / den drops. Ends with a barrier.
+template <typename T, int D>
+__device__ void stage_state_halves(const Params& p, long long bh, Tiles<T, D>& s) {
+  constexpr int kX = D + 8, kQuads = D / 4, kIters = kS * kQuads / kThreads;
+  static_assert(kS * kQuads % kThreads == 0 && kS <= kThreads, "state tile shapes");
+  __shared__ float warp_max[kThreads / 32];
+  const float* A = p.kstate + (bh * (p.ngk + 1) + p.ngk) * p.features * D;
+  const float* zs = p.kz + (bh * (p.ngk + 1) + p.ngk) * p.features;
+  float4 val[kIters];
+  float m = 0.f;
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int e = threadIdx.x + i * kThreads;
+    val[i] = e / kQuads < p.features ? __ldg(reinterpret_cast<const float4*>(A) + e) : make_float4(0.f, 0.f, 0.f, 0.f);
+    m = fmaxf(m, fmaxf(fmaxf(fabsf(val[i].x), fabsf(val[i].y)), fmaxf(fabsf(val[i].z), fabsf(val[i].w))));
+  }
+  const float z = threadIdx.x < p.features ? zs[threadIdx.x] : 0.f;
+  m = fmaxf(m, fabsf(z));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
+  const int biased = static_cast<int>(__float_as_uint(m) >> 23) & 0xff;  // m = f 2^(biased - 126), f in [0.5, 1), for normal m
+  const int e = m > 0.f && biased < 255 ? min(141 - biased, 126) : 0;
+  const float scale = __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int el = threadIdx.x + i * kThreads, f = el / kQuads, c = el % kQuads;
+    uint32_t hi[2], lo[2];
+    mma::split2<__half>(val[i].x * scale, val[i].y * scale, hi[0], lo[0]);
+    mma::split2<__half>(val[i].z * scale, val[i].w * scale, hi[1], lo[1]);
+    *reinterpret_cast<uint2*>(s.sth + f * kX + 4 * c) = make_uint2(hi[0], hi[1]);
+    *reinterpret_cast<uint2*>(s.sth + (kS + f) * kX + 4 * c) = make_uint2(lo[0], lo[1]);
+  }
+  if (threadIdx.x < kS) {  // columns D..D + 7: z, then zeros
+    uint32_t hi, lo;
+    mma::split2<__half>(z * scale, 0.f, hi, lo);
+    *reinterpret_cast<uint4*>(s.sth + threadIdx.x * kX + D) = make_uint4(hi, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(s.sth + (kS + threadIdx.x) * kX + D) = make_uint4(lo, 0u, 0u, 0u);
+  }
+  __syncthreads();
+}
+
+// acc += phi(q) [A, z] for the warp's 16 rows of phq (fp16) and the state halves of stage_state_halves (B by
+// ldmatrix.trans from [feature][d]): per k-step all n-tiles with hi, then with lo.
+template <typename T, int D>
+__device__ __forceinline__ void state_apply_halves(const Tiles<T, D>& s, float (&acc)[D / 8 + 1][4]) {
+  const int lane = threadIdx.x % 32, r0 = (threadIdx.x / 32) * 16;
+#pragma unroll
+  for (int kk = 0; kk < kS / 16; ++kk) {
+    uint32_t a[4];
+    mma::load_a(a, s.phq, kT, r0, kk * 16, lane);
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      mma::for_each_b_trans<D / 8 + 1>(s.sth + half * kS * (D + 8), D + 8, kk * 16, lane,
+                                       [&](int n, const uint32_t (&b)[2]) { mma::m16n8k16(acc[n], a, b, __half{}); });
+  }
+}
+
+// Starts loading (cp.async, one committed group) the warp's 16 rows of query tile m into its rows of s.x.
+template <typename T, int D>
+__device__ __forceinline__ void warp_query_rows_async(const Params& p, const Heads<T>& hd, int m, Tiles<T, D>& s) {
+  const int r0 = (threadIdx.x / 32) * 16, q0 = m * kC + r0;
+  mma::load_rows_async<16, D, 32>(s.x + r0 * (D + 8), hd.q, p.sq.n, q0, [q0, nq = p.nq](int r) { return q0 + r < nq; },
+                                  static_cast<int>(threadIdx.x % 32));
+}
+
+// Non-causal: per (group of kGroup query tiles, q head, batch), out from the total key state. After the state is
+// staged each warp walks its 16 rows of every tile on its own, with no block barrier: its x rows by cp.async (those
+// of the next tile once these are projected), the projection and sigma tables, phi(q) in fp16 into its rows of phq,
+// then [num, den] = phi(q) [A, z] (state_apply_halves) and out = num / den.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 1) race_query_out_fwd_kernel(const Params p) {
+  extern __shared__ __align__(16) char smem_raw[];
+  Tiles<T, D> s(smem_raw, Tiles<T, D>::Use::kQueryOut);
+  const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z, r0 = (threadIdx.x / 32) * 16;
+  const Heads<T> hd(p, h, b);
+  T* out = static_cast<T*>(p.out) + hd.bh * p.nq * D;
+  const int first = grp * kGroup, end = min(p.nqt, first + kGroup);
+  warp_query_rows_async<T, D>(p, hd, first, s);
+  init_constants<T, D>(p, s);
+  stage_state_halves<T, D>(p, hd.bh, s);
+  for (int m = first; m < end; ++m) {
+    mma::cp_async_wait_all();
+    __syncwarp();
+    project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm);
+    __syncwarp();  // the warp's x rows read, its sigma tables written
+    if (m + 1 < end) warp_query_rows_async<T, D>(p, hd, m + 1, s);
+    dispatch_planes(p, [&](auto planes) {
+      constexpr int P = decltype(planes)::value, R = Items<P>::R;
+      warp_pairs<P>(r0, [&](int, int r, int item) {
+        float val[R];
+        Items<P>::values(p, s.sp, s.sm, r, item, m * kC + r < p.nq, val);
+        store_halves<R>(s.phq + r * kT + item * R, val);
+      });
+    });
+    __syncwarp();
+    float acc[D / 8 + 1][4] = {};
+    state_apply_halves<T, D>(s, acc);
+    store_out<T, D>(p, acc, m * kC, out);
+  }
+}
+
+// Causal: per key-chunk group. PREFETCH: the kCausalOut layout, else kAll (no prefetch: for GPUs with less shared
+// memory per block).
+template <typename T, int D, bool PREFETCH = true>
 __global__ void __launch_bounds__(kThreads, 1) race_group_out_fwd_kernel(const Params p) {
   using Use = typename Tiles<T, D>::Use;
   extern __shared__ __align__(16) char smem_raw[];
-  Tiles<T, D> s(smem_raw, !CAUSAL ? Use::kQueryOut : PREFETCH ? Use::kCausalOut : Use::kAll);
+  Tiles<T, D> s(smem_raw, PREFETCH ? Use::kCausalOut : Use::kAll);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
   T* out = static_cast<T*>(p.out) + hd.bh * p.nq * D;
   const int first = grp * kGroup;
-  const int end = min(CAUSAL ? p.nkc : p.nqt, first + kGroup);
-  if (CAUSAL && end - 1 < p.kappa0) return;  // only keys before the first query: no tile to write
-  if (CAUSAL && PREFETCH) {
+  const int end = min(p.nkc, first + kGroup);
+  if (end - 1 < p.kappa0) return;  // only keys before the first query: no tile to write
+  if (PREFETCH) {
     prefetch_keys<T, D>(p, hd, b, first, s);
     if (first >= p.kappa0) prefetch_queries<T, D>(p, hd, first - p.kappa0, s);
-  } else if (!CAUSAL) {
-    prefetch_queries<T, D>(p, hd, first, s);
   }
   init_constants<T, D>(p, s);
-  // before this group (causal: fp32, it grows) or the total (non-causal: read only, so rounded once)
-  load_state<T, D>(p, hd.bh, CAUSAL ? grp : p.ngk, s, !CAUSAL);
-  if constexpr (!CAUSAL) {
-    for (int m = first; m < end; ++m) {
-      query_tile<T, D>(p, hd, m, s, nullptr, nullptr, nullptr, nullptr, m + 1 < end ? m + 1 : -1);
-      tile_out<T, D, true>(p, s, false, m * kC, out);
-    }
-  } else {
-    for (int kappa = first; kappa < end; ++kappa) {
-      const int m = kappa - p.kappa0;  // the query tile whose diagonal is in this chunk
-      if (m >= 0) query_tile<T, D>(p, hd, m, s);
-      const bool more = kappa + 1 < end;  // then the next chunk's rows load during this chunk's products
-      key_chunk<T, D>(p, hd, b, kappa, s, m >= 0, more ? kappa + 1 : -1, more ? m + 1 : -1);
-      if (m >= 0) tile_out<T, D>(p, s, true, m * kC, out);
-      if (kappa + 1 == end) break;
-      __syncthreads();  // every warp has read the state
-      advance_state<T, D>(s);
-    }
+  load_state<T, D>(p, hd.bh, grp, s);  // before this group (fp32: it grows)
+  for (int kappa = first; kappa < end; ++kappa) {
+    const int m = kappa - p.kappa0;  // the query tile whose diagonal is in this chunk
+    if (m >= 0) query_tile<T, D>(p, hd, m, s);
+    const bool more = kappa + 1 < end;  // then the next chunk's rows load during this chunk's products
+    key_chunk<T, D>(p, hd, b, kappa, s, m >= 0, more ? kappa + 1 : -1, more ? m + 1 : -1);
+    if (m >= 0) tile_out<T, D>(p, s, true, m * kC, out);
+    if (kappa + 1 == end) break;
+    __syncthreads();  // every warp has read the state
+    advance_state<T, D>(s);
   }
 }
 

@@ -74,3 +74,11 @@ def test_bottom_right_causal_with_padding(emulator, nq, nk):
 @pytest.mark.parametrize("causal", [False, True])
 def test_more_than_one_group_of_chunks(emulator, causal):
     check(emulator, 1, 1, 1, 1100, 1100, 32, causal=causal, tables=2, planes_per_table=2)  # 18 chunks: two groups
+
+
+@pytest.mark.parametrize("d, tables, planes_per_table, dtype", [(32, 8, 1, torch.bfloat16), (128, 2, 3, torch.bfloat16),
+                                                                 (64, 1, 6, torch.float16)])
+def test_non_causal_feature_shapes_with_padding(emulator, d, tables, planes_per_table, dtype):
+    # items of 2, 8 and 16 features per row (the warps' feature stores), Nq != Nk, key padding
+    check(emulator, 2, 2, 1, 90, 150, d, causal=False, dtype=dtype, tables=tables, planes_per_table=planes_per_table,
+          mask=make_padding(2, 150, seed=5))

@@ -97,8 +97,8 @@ bool forward(Params& p, int b, bool tc_path) {
       if (!tc_key_states<T, D>(p, b, state, z)) return false;
       const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
       if (p.causal)
-        return emu::launch(dim3(blocks, p.hq, b), tc::kThreads, [&] { tc::race_group_out_fwd_kernel<T, D, true>(p); });
-      return emu::launch(dim3(blocks, p.hq, b), tc::kThreads, [&] { tc::race_group_out_fwd_kernel<T, D, false>(p); });
+        return emu::launch(dim3(blocks, p.hq, b), tc::kThreads, [&] { tc::race_group_out_fwd_kernel<T, D>(p); });
+      return emu::launch(dim3(blocks, p.hq, b), tc::kThreads, [&] { tc::race_query_out_fwd_kernel<T, D>(p); });
     }
   }
   return key_states<T, D>(p, b, state, z) &&

@@ -90,16 +90,18 @@ inline void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, cons
   for (int i = 0; i < 4; ++i) std::memcpy(out[i], rows[8 * i + lane / 4] + 4 * (lane % 4), 4);
 }
 inline void ldsm_x4(uint32_t (&r)[4], const void* p) { ldsm_x4(r[0], r[1], r[2], r[3], p); }
-inline void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+template <int N> inline void ldsm_trans(uint32_t (&r)[N], const void* p) {
   const auto rows = emu::gather(static_cast<const unsigned char*>(p));
   const int lane = threadIdx.x % 32;
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < N; ++i) {
     uint16_t lo, hi;  // transposed: elements (2 (lane % 4) + {0, 1}, lane / 4) of matrix i
     std::memcpy(&lo, rows[8 * i + 2 * (lane % 4)] + 2 * (lane / 4), 2);
     std::memcpy(&hi, rows[8 * i + 2 * (lane % 4) + 1] + 2 * (lane / 4), 2);
     r[i] = static_cast<uint32_t>(lo) | static_cast<uint32_t>(hi) << 16;
   }
 }
+inline void ldsm_x4_trans(uint32_t (&r)[4], const void* p) { ldsm_trans<4>(r, p); }
+inline void ldsm_x2_trans(uint32_t (&r)[2], const void* p) { ldsm_trans<2>(r, p); }
 inline void ldsm_x2(uint32_t (&r)[2], const void* p) {
   const auto rows = emu::gather(static_cast<const unsigned char*>(p));
   const int lane = threadIdx.x % 32;
