@@ -37,7 +37,7 @@ void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, boo
                                           : tc::race_group_qstate_bwd_kernel<T, D, false>,
                    dim3(groups, hq, b), tc::kThreads, tc::DkvTiles<T, D>::bytes, p, device, stream);
       race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), hq, b), kThreads, 0, stream>>>(
-          p.qstate, p.qz, groups, p.features * D, p.features, p.hq, 1);
+          p.qstate, p.qz, groups, p.features * D, p.features, p.hq, kSuffix);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       launch_bytes(op, phi_tile_enabled() ? tc::race_group_dkv_bwd_kernel<T, D, true>
                                           : tc::race_group_dkv_bwd_kernel<T, D, false>,
@@ -47,7 +47,7 @@ void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, boo
   }
   launch(op, race_state_fwd_kernel<T, D, true>, dim3(p.nqt, hq, b), Layout::state(p.lp), p, device, stream);
   race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), hq, b), kThreads, 0, stream>>>(
-      p.qstate, p.qz, p.nqt, p.features * D, p.features, p.hq, 1);
+      p.qstate, p.qz, p.nqt, p.features * D, p.features, p.hq, kSuffix);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   launch(op, race_dkv_bwd_kernel<T, D>, dim3(p.nkc, kv, b), Layout::dkv(p.lp, D), p, device, stream);
 }

@@ -198,7 +198,7 @@ inline bool tc_key_side_applies(const at::Tensor& q, const Params& p, const c10:
 inline int tc_query_groups(const Params& p) { return div_up(p.causal ? p.nkc : p.nqt, tc::kGroup); }
 
 // Group states of the tensor-core kernels: per group of tc::kGroup key chunks sum phi(k) [v, 1]^T, then
-// their exclusive prefix (slot ngk: total). Sets p.ngk, p.ngq and p.kstate, p.kz. q, k, v must be 16-byte
+// their exclusive prefix (causal) or their total alone (non-causal), slot ngk: the total. Sets p.ngk, p.ngq and p.kstate, p.kz. q, k, v must be 16-byte
 // vector readable (hfab::vector_readable) and p point at them.
 template <typename T, int D>
 void tc_key_states(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, const at::TensorOptions& f32,
@@ -214,7 +214,7 @@ void tc_key_states(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz
                tc::Tiles<T, D>::key_states_bytes, p, device, stream);
   const int elems = p.features * D + p.features;
   race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), h, b), kThreads, 0, stream>>>(
-      p.kstate, p.kz, p.ngk, p.features * D, p.features, p.hq, 0);
+      p.kstate, p.kz, p.ngk, p.features * D, p.features, p.hq, p.causal ? kPrefix : kTotal);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -249,7 +249,7 @@ void key_states(const char* op, Params& p, at::Tensor& kstate, at::Tensor& kz, c
     launch(op, race_state_fwd_kernel<T, D, false>, dim3(p.nkc, h, b), Layout::state(p.lp), p, device, stream);
   const int elems = p.features * D + p.features;
   race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), h, b), kThreads, 0, stream>>>(
-      p.kstate, p.kz, p.nkc, p.features * D, p.features, p.hq, 0);
+      p.kstate, p.kz, p.nkc, p.features * D, p.features, p.hq, kPrefix);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

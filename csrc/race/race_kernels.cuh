@@ -311,11 +311,13 @@ __global__ void __launch_bounds__(kThreads, 1) race_state_fwd_kernel(const Param
   }
 }
 
-// In place over slots [0, n] of every (b, h) (elements: S*D of `state`, then S of `z`).
-// reverse = 0: slot k <- sum of input slots < k (slot n: the total).
-// reverse = 1: slot m + 1 <- sum of input slots > m for m = -1 .. n - 1 (slot 0: the total).
+// Over slots [0, n] of every (b, h) (elements: S*D of `state`, then S of `z`), in place, by `mode`:
+// kPrefix: slot k <- sum of input slots < k (slot n: the total); kSuffix: slot m + 1 <- sum of input slots > m for
+// m = -1 .. n - 1 (slot 0: the total); kTotal: slot n <- the sum of input slots < n, the others unchanged (the
+// non-causal forward reads the total only). The same order of additions in every mode.
+enum ScanMode : int { kPrefix = 0, kSuffix = 1, kTotal = 2 };
 static __global__ void __launch_bounds__(kThreads) race_scan_fwd_kernel(float* state, float* z, int n, int sd, int features,
-                                                                 int hq, int reverse) {
+                                                                 int hq, int mode) {
   const int e = blockIdx.x * kThreads + threadIdx.x;
   if (e >= sd + features) return;
   const long long bh = (long long)blockIdx.z * hq + blockIdx.y;
@@ -324,7 +326,17 @@ static __global__ void __launch_bounds__(kThreads) race_scan_fwd_kernel(float* s
   const long long step = is_state ? sd : features;
   constexpr int kBatch = 8;  // slots are read 8 at a time before any of them is written: the loads overlap
   float run = 0.f;
-  if (!reverse) {
+  if (mode == kTotal) {  // no stores between the loads: 16 in flight
+    for (int k0 = 0; k0 < n; k0 += 2 * kBatch) {
+      float x[2 * kBatch];
+#pragma unroll
+      for (int u = 0; u < 2 * kBatch; ++u) x[u] = k0 + u < n ? base[(k0 + u) * step] : 0.f;
+#pragma unroll
+      for (int u = 0; u < 2 * kBatch; ++u)
+        if (k0 + u < n) run += x[u];
+    }
+    base[n * step] = run;
+  } else if (mode == kPrefix) {
     for (int k0 = 0; k0 <= n; k0 += kBatch) {
       float x[kBatch];
 #pragma unroll

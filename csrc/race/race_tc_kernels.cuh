@@ -12,8 +12,8 @@
 // Operand precision (measured in a float64 simulation, NOTES.md): projections x W^T with W split in
 // two T halves (hi + lo); scores phi(q) phi(k)^T with fp16 features; a v and phi(k)^T v with the non-v
 // operand split in two T halves, v in T; the state apply phi(q) [A, z] in tf32 (the state is fp32 and
-// can exceed the fp16 range) where the state grows (causal), in two fp16 halves of the state times one power of
-// two where it is fixed (non-causal). The denominators ride along as one more column: v gets a row of ones
+// can exceed the fp16 range) where the state grows (causal), in fp16 times one power of two where it is fixed
+// (non-causal: the same 11 significant bits). The denominators ride along as one more column: v gets a row of ones
 // (intra-chunk sums of a), the state keeps z in column D, so num and den see the same rounded a.
 // No atomics: every sum has a fixed order. Pure CUDA.
 #pragma once
@@ -50,8 +50,8 @@ struct Tiles {
   // Kernels that use part of the tiles pack them below the ones they skip (fewer bytes: more blocks per SM):
   // kKeyStates (race_group_state_fwd_kernel): x, w, the sigma tables, then phi(k) in T halves row-major (phr: hi
   // [key][feature], lo after it) at phq_off, and two v tiles xv (row-major, column D = 1: the z column).
-  // kQueryOut (race_query_out_fwd_kernel): x, w, the sigma tables, phq, then the state in fp16 halves (sth: hi
-  // [feature][d], lo after it; z in column D) at phk_off.
+  // kQueryOut (race_query_out_fwd_kernel): x, w, the sigma tables, phq, then the state in fp16 (sth: [feature][d],
+  // z in column D) at phk_off and the output rows (ot: [64][D + 8], T) after it.
   // kCausalOut (the causal race_group_out_fwd_kernel): every tile, a second x tile (xk, at `bytes`) for the key
   // rows, so that the next chunk's query and key rows both load (cp.async) while this chunk computes, and where
   // sm_80 has room (D <= 64) a tile xv for the next chunk's v rows (row-major; key_chunk transposes it into vt).
@@ -62,8 +62,9 @@ struct Tiles {
   static constexpr int causal_out_bytes = bytes + (causal_stages_v ? 2 : 1) * x_bytes;
   static constexpr int ks_xv_off = phq_off + 2 * kC * kT * 2;
   static constexpr int key_states_bytes = ks_xv_off + 2 * x_bytes;
-  static constexpr int query_out_bytes = phk_off + 2 * kS * kX * 2;
-  static_assert(ks_xv_off % 16 == 0 && st_off % 16 == 0 &&
+  static constexpr int qo_ot_off = phk_off + kS * kX * 2;
+  static constexpr int query_out_bytes = qo_ot_off + x_bytes;
+  static_assert(ks_xv_off % 16 == 0 && qo_ot_off % 16 == 0 && st_off % 16 == 0 &&
                 bytes % 16 == 0 && x_bytes % 16 == 0, "16-byte aligned tiles");
   static_assert(w_off % 16 == 0 && phq_off % 16 == 0 && phk_off % 16 == 0 && pkt_off % 16 == 0 && vt_off % 16 == 0 &&
                 kX % 8 == 0 && kT % 8 == 0, "ldmatrix: every row of the 16-bit tiles 16-byte aligned");
@@ -71,7 +72,7 @@ struct Tiles {
 
   T *x, *xk, *w, *pkt = nullptr, *vt = nullptr;  // xk: x of key rows (x itself but in kCausalOut)
   T* xv = nullptr;                                // v rows, row-major, when staged (else load_vt reads global)
-  T* phr = nullptr;
+  T *phr = nullptr, *ot = nullptr;
   float *sp, *sm, *st = nullptr;
   __half *phq = nullptr, *phk = nullptr, *sth = nullptr;
   int *okq = nullptr, *okk = nullptr;
@@ -90,6 +91,7 @@ struct Tiles {
     } else if (use == Use::kQueryOut) {
       phq = reinterpret_cast<__half*>(base + phq_off);
       sth = reinterpret_cast<__half*>(base + phk_off);
+      ot = reinterpret_cast<T*>(base + qo_ot_off);
     } else {
       pkt = reinterpret_cast<T*>(base + pkt_off);
       vt = reinterpret_cast<T*>(base + vt_off);
@@ -574,33 +576,31 @@ __device__ __forceinline__ void tile_num(const Tiles<T, D>& s, bool intra, float
   }
 }
 
-// out = num / den for the warp's 16 rows row0 + 16w.. (acc: [num, den] in the C layout, den in column D).
-template <typename T, int D>
-__device__ __forceinline__ void store_out(const Params& p, const float (&acc)[D / 8 + 1][4], int row0, T* out) {
-  constexpr int kN = D / 8 + 1;
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
-  const int quad = lane & ~3;  // den = column D, held by the quad's t = 0 lane
-  const float den0 = __shfl_sync(0xffffffffu, acc[kN - 1][0], quad);
-  const float den1 = __shfl_sync(0xffffffffu, acc[kN - 1][2], quad);
+// fn(half, n, word) for the warp's rows r0 + g + 8 half (half = 0, 1) and n-tiles n < D / 8: word = out = num / den
+// at columns 8 n + 2 t, the pair packed in T (acc: [num, den] in the C layout, den in column D; rows with den = 0
+// give 0).
+template <typename T, int D, typename Fn>
+__device__ __forceinline__ void for_each_out_pair(const float (&acc)[D / 8 + 1][4], Fn&& fn) {
+  const int quad = (threadIdx.x % 32) & ~3;  // den = column D, held by the quad's t = 0 lane
+  const float den[2] = {__shfl_sync(0xffffffffu, acc[D / 8][0], quad), __shfl_sync(0xffffffffu, acc[D / 8][2], quad)};
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int i = row0 + r0 + g + 8 * half;
-    const float den = half ? den1 : den0;
-    const float inv = den > 0.f ? 1.f / den : 0.f;
-    if (i >= p.nq) continue;
+    const float inv = den[half] > 0.f ? 1.f / den[half] : 0.f;
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-      *reinterpret_cast<uint32_t*>(out + (long long)i * D + n * 8 + 2 * t) =
-          mma::pack2<T>(acc[n][2 * half] * inv, acc[n][2 * half + 1] * inv);
+    for (int n = 0; n < D / 8; ++n) fn(half, n, mma::pack2<T>(acc[n][2 * half] * inv, acc[n][2 * half + 1] * inv));
   }
 }
 
 // out rows [row0, row0 + 64) of one query tile: out = num / den (tile_num).
 template <typename T, int D>
 __device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, bool intra, int row0, T* out) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
   float acc[D / 8 + 1][4] = {};
   tile_num<T, D>(s, intra, acc);
-  store_out<T, D>(p, acc, row0, out);
+  for_each_out_pair<T, D>(acc, [&](int half, int n, uint32_t word) {
+    const int i = row0 + r0 + g + 8 * half;
+    if (i < p.nq) *reinterpret_cast<uint32_t*>(out + (long long)i * D + n * 8 + 2 * t) = word;
+  });
 }
 
 // Query tile m: flags, x, phi(q) (fp16) into phq, or fp32 into phi32 instead when that is not null. Backward
@@ -681,12 +681,12 @@ __device__ __forceinline__ void advance_state(Tiles<T, D>& s) {
   }
 }
 
-// The total key state (slot p.ngk of (b, h)) into s.sth as fp16 halves (hi [feature][d], lo kS kX after it; z in
-// column D, zeros elsewhere), every value times one power of two 2^e for the block: max |value| 2^e in [2^14, 2^15)
-// keeps both halves within fp16's range and lo above its subnormals for all but values 2^-38 below the largest (e = 0
-// when the largest is 0 or not finite). num and den carry the same 2^e, which num / den drops. Ends with a barrier.
+// The total key state (slot p.ngk of (b, h)) into s.sth in fp16 ([feature][d], z in column D, zeros elsewhere),
+// every value times one power of two 2^e for the block: max |value| 2^e in [2^14, 2^15) keeps the values within
+// fp16's range and at 11 significant bits (tf32's) down to 2^-28 of the largest (e = 0 when the largest is 0 or not
+// finite). num and den carry the same 2^e, which num / den drops. Ends with a barrier.
 template <typename T, int D>
-__device__ void stage_state_halves(const Params& p, long long bh, Tiles<T, D>& s) {
+__device__ void stage_state_fp16(const Params& p, long long bh, Tiles<T, D>& s) {
   constexpr int kX = D + 8, kQuads = D / 4, kIters = kS * kQuads / kThreads;
   static_assert(kS * kQuads % kThreads == 0 && kS <= kThreads, "state tile shapes");
   __shared__ float warp_max[kThreads / 32];
@@ -708,40 +708,52 @@ __device__ void stage_state_halves(const Params& p, long long bh, Tiles<T, D>& s
   __syncthreads();
 #pragma unroll
   for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
-  const int biased = static_cast<int>(__float_as_uint(m) >> 23) & 0xff;  // m = f 2^(biased - 126), f in [0.5, 1), for normal m
+  const int biased = static_cast<int>(__float_as_uint(m) >> 23) & 0xff;  // m = f 2^(biased - 126), f in [0.5, 1)
   const int e = m > 0.f && biased < 255 ? min(141 - biased, 126) : 0;
   const float scale = __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
     const int el = threadIdx.x + i * kThreads, f = el / kQuads, c = el % kQuads;
-    uint32_t hi[2], lo[2];
-    mma::split2<__half>(val[i].x * scale, val[i].y * scale, hi[0], lo[0]);
-    mma::split2<__half>(val[i].z * scale, val[i].w * scale, hi[1], lo[1]);
-    *reinterpret_cast<uint2*>(s.sth + f * kX + 4 * c) = make_uint2(hi[0], hi[1]);
-    *reinterpret_cast<uint2*>(s.sth + (kS + f) * kX + 4 * c) = make_uint2(lo[0], lo[1]);
+    *reinterpret_cast<uint2*>(s.sth + f * kX + 4 * c) =
+        make_uint2(mma::pack2<__half>(val[i].x * scale, val[i].y * scale),
+                   mma::pack2<__half>(val[i].z * scale, val[i].w * scale));
   }
-  if (threadIdx.x < kS) {  // columns D..D + 7: z, then zeros
-    uint32_t hi, lo;
-    mma::split2<__half>(z * scale, 0.f, hi, lo);
-    *reinterpret_cast<uint4*>(s.sth + threadIdx.x * kX + D) = make_uint4(hi, 0u, 0u, 0u);
-    *reinterpret_cast<uint4*>(s.sth + (kS + threadIdx.x) * kX + D) = make_uint4(lo, 0u, 0u, 0u);
-  }
+  if (threadIdx.x < kS)  // columns D..D + 7: z, then zeros
+    *reinterpret_cast<uint4*>(s.sth + threadIdx.x * kX + D) = make_uint4(mma::pack2<__half>(z * scale, 0.f), 0u, 0u, 0u);
   __syncthreads();
 }
 
-// acc += phi(q) [A, z] for the warp's 16 rows of phq (fp16) and the state halves of stage_state_halves (B by
-// ldmatrix.trans from [feature][d]): per k-step all n-tiles with hi, then with lo.
+// acc += phi(q) [A, z] for the warp's 16 rows of phq and the fp16 state of stage_state_fp16 (B by ldmatrix.trans
+// from [feature][d]).
 template <typename T, int D>
-__device__ __forceinline__ void state_apply_halves(const Tiles<T, D>& s, float (&acc)[D / 8 + 1][4]) {
+__device__ __forceinline__ void state_apply_fp16(const Tiles<T, D>& s, float (&acc)[D / 8 + 1][4]) {
   const int lane = threadIdx.x % 32, r0 = (threadIdx.x / 32) * 16;
 #pragma unroll
   for (int kk = 0; kk < kS / 16; ++kk) {
     uint32_t a[4];
     mma::load_a(a, s.phq, kT, r0, kk * 16, lane);
+    mma::for_each_b_trans<D / 8 + 1>(s.sth, D + 8, kk * 16, lane,
+                                     [&](int n, const uint32_t (&b)[2]) { mma::m16n8k16(acc[n], a, b, __half{}); });
+  }
+}
+
+// out = num / den for the warp's 16 rows row0 + 16w.. (for_each_out_pair) through its rows of the [64][D + 8] tile
+// ot: pairs into ot, then 16-byte stores of whole rows (a warp store covers 512 contiguous bytes at D 64, where the
+// pairs would be 8 rows of 16 bytes).
+template <typename T, int D>
+__device__ __forceinline__ void store_out_rows(const Params& p, const float (&acc)[D / 8 + 1][4], int row0, T* ot,
+                                               T* out) {
+  constexpr int kX = D + 8, kChunks = D / 8, kRowsPerPass = 32 / kChunks;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+  for_each_out_pair<T, D>(acc, [&](int half, int n, uint32_t word) {
+    *reinterpret_cast<uint32_t*>(ot + (r0 + g + 8 * half) * kX + n * 8 + 2 * t) = word;
+  });
+  __syncwarp();
 #pragma unroll
-    for (int half = 0; half < 2; ++half)
-      mma::for_each_b_trans<D / 8 + 1>(s.sth + half * kS * (D + 8), D + 8, kk * 16, lane,
-                                       [&](int n, const uint32_t (&b)[2]) { mma::m16n8k16(acc[n], a, b, __half{}); });
+  for (int i = 0; i < 16 / kRowsPerPass; ++i) {
+    const int r = r0 + lane / kChunks + i * kRowsPerPass, c = lane % kChunks;
+    if (row0 + r < p.nq)
+      *reinterpret_cast<uint4*>(out + (long long)(row0 + r) * D + 8 * c) = *reinterpret_cast<const uint4*>(ot + r * kX + 8 * c);
   }
 }
 
@@ -756,7 +768,7 @@ __device__ __forceinline__ void warp_query_rows_async(const Params& p, const Hea
 // Non-causal: per (group of kGroup query tiles, q head, batch), out from the total key state. After the state is
 // staged each warp walks its 16 rows of every tile on its own, with no block barrier: its x rows by cp.async (those
 // of the next tile once these are projected), the projection and sigma tables, phi(q) in fp16 into its rows of phq,
-// then [num, den] = phi(q) [A, z] (state_apply_halves) and out = num / den.
+// then [num, den] = phi(q) [A, z] (state_apply_fp16) and out = num / den in 16-byte row stores.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1) race_query_out_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
@@ -767,7 +779,7 @@ __global__ void __launch_bounds__(kThreads, 1) race_query_out_fwd_kernel(const P
   const int first = grp * kGroup, end = min(p.nqt, first + kGroup);
   warp_query_rows_async<T, D>(p, hd, first, s);
   init_constants<T, D>(p, s);
-  stage_state_halves<T, D>(p, hd.bh, s);
+  stage_state_fp16<T, D>(p, hd.bh, s);
   for (int m = first; m < end; ++m) {
     mma::cp_async_wait_all();
     __syncwarp();
@@ -784,8 +796,8 @@ __global__ void __launch_bounds__(kThreads, 1) race_query_out_fwd_kernel(const P
     });
     __syncwarp();
     float acc[D / 8 + 1][4] = {};
-    state_apply_halves<T, D>(s, acc);
-    store_out<T, D>(p, acc, m * kC, out);
+    state_apply_fp16<T, D>(s, acc);
+    store_out_rows<T, D>(p, acc, m * kC, s.ot, out);
   }
 }
 

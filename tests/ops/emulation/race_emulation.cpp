@@ -59,10 +59,10 @@ Params params(int d, int hq, int hkv, int nq, int nk, int causal, int planes_per
 
 bool tensor_cores(int dtype, const Params& p) { return dtype != 2 && p.features <= tc::kS && p.lp <= tc::kLPMax; }
 
-bool scan(float* state, float* z, int n, int d, const Params& p, int b, int suffix) {
+bool scan(float* state, float* z, int n, int d, const Params& p, int b, ScanMode mode) {
   const int elems = p.features * d + p.features;
   return emu::launch(dim3(div_up(elems, kThreads), p.hq, b), kThreads, [&] {
-    race_scan_fwd_kernel(state, z, n, p.features * d, p.features, p.hq, suffix);
+    race_scan_fwd_kernel(state, z, n, p.features * d, p.features, p.hq, mode);
   });
 }
 
@@ -75,7 +75,7 @@ bool tc_key_states(Params& p, int b, vector<float>& state, vector<float>& z) {
   p.kstate = state.data();
   p.kz = z.data();
   return emu::launch(dim3(p.ngk, p.hq, b), tc::kThreads, [&] { tc::race_group_state_fwd_kernel<T, D>(p); }) &&
-         scan(p.kstate, p.kz, p.ngk, D, p, b, 0);
+         scan(p.kstate, p.kz, p.ngk, D, p, b, p.causal ? kPrefix : kTotal);
 }
 
 template <typename T, int D>
@@ -86,7 +86,7 @@ bool key_states(Params& p, int b, vector<float>& state, vector<float>& z) {
   p.kz = z.data();
   return (p.nkc == 0 ||
           emu::launch(dim3(p.nkc, p.hq, b), kThreads, [&] { race_state_fwd_kernel<T, D, false>(p); })) &&
-         scan(p.kstate, p.kz, p.nkc, D, p, b, 0);
+         scan(p.kstate, p.kz, p.nkc, D, p, b, kPrefix);
 }
 
 template <typename T, int D>
@@ -126,12 +126,12 @@ bool backward(Params& p, int b, int hkv, bool tc_path) {
       const int groups = div_up(p.causal ? p.nkc : p.nqt, tc::kGroup);
       return emu::launch(dim3(groups, p.hq, b), tc::kThreads,
                          [&] { tc::race_group_qstate_bwd_kernel<T, D, true>(p); }) &&
-             scan(p.qstate, p.qz, groups, D, p, b, 1) &&
+             scan(p.qstate, p.qz, groups, D, p, b, kSuffix) &&
              emu::launch(dim3(p.ngk, hkv, b), tc::kThreads, [&] { tc::race_group_dkv_bwd_kernel<T, D, true>(p); });
     }
   }
   return emu::launch(dim3(p.nqt, p.hq, b), kThreads, [&] { race_state_fwd_kernel<T, D, true>(p); }) &&
-         scan(p.qstate, p.qz, p.nqt, D, p, b, 1) &&
+         scan(p.qstate, p.qz, p.nqt, D, p, b, kSuffix) &&
          emu::launch(dim3(p.nkc, hkv, b), kThreads, [&] { race_dkv_bwd_kernel<T, D>(p); });
 }
 
