@@ -115,7 +115,13 @@ __device__ __forceinline__ float halfwarp_sum(float x) {
   return x;
 }
 
-__device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + __expf(-z)); }
+// sigmoid(z) and sigmoid(-z) from one exponential: e = exp(-|z|) in [0, 1] cannot overflow, sigmoid(|z|) = 1 / (1 + e)
+// and sigmoid(-|z|) = e sigmoid(|z|) keeps its relative precision however small.
+__device__ __forceinline__ void sigmoid_pair(float z, float& pos, float& neg) {
+  const float e = __expf(-fabsf(z)), big = 1.f / (1.f + e), small = e * big;
+  pos = z >= 0.f ? big : small;
+  neg = z >= 0.f ? small : big;
+}
 
 // Soft signs of the 64 rows [row0, row0 + 64) of x (one warp per row): for lt < L*P,
 // sp = sigmoid(2 beta u), sm = sigmoid(-2 beta u), u = tanh(W_lt . x) (stored when `u` is not null).
@@ -135,8 +141,7 @@ __device__ void project_rows(const Params& p, const T* x, long long stride, int 
       for (int c = 0; c < D / 32; ++c) part = fmaf(__ldg(p.planes + lt * D + lane + 32 * c), xr[c], part);
       const float ut = tanhf(warp_sum(part));
       if (lane == 0) {
-        sp[r * p.lp + lt] = sigmoid(2.f * beta * ut);
-        sm[r * p.lp + lt] = sigmoid(-2.f * beta * ut);
+        sigmoid_pair(2.f * beta * ut, sp[r * p.lp + lt], sm[r * p.lp + lt]);
         if (u != nullptr) u[r * p.lp + lt] = ut;
       }
     }

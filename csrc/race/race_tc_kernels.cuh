@@ -196,8 +196,7 @@ __device__ __forceinline__ void project(const Params& p, const T* tile, const T*
       const int row = r0 + g + (e >= 2 ? 8 : 0), lt = nt * 8 + 2 * t + (e & 1);
       if (lt >= p.lp) continue;
       const float ut = tanhf(acc[nt][e]);
-      sp[row * kLPMax + lt] = sigmoid(2.f * beta * ut);
-      sm[row * kLPMax + lt] = sigmoid(-2.f * beta * ut);
+      sigmoid_pair(2.f * beta * ut, sp[row * kLPMax + lt], sm[row * kLPMax + lt]);
       if (u != nullptr) u[row * p.lp + lt] = ut;
     }
 }
@@ -266,7 +265,7 @@ __device__ __forceinline__ void store_halves(__half* dst, const float (&val)[R])
 }
 
 // fn(i, r, item) for the warp's share of the feature map of its 16 rows r0..: Items<P>::kPerRow / 2 (row, item) pairs
-// i, lanes 0..15 on rows r0.. of one item and lanes 16..31 on the next.
+// i, lanes 0..15 on rows r0.. of one item and lanes 16..31 on the next (lane l always on row r0 + l % 16).
 template <int P, typename Fn>
 __device__ __forceinline__ void warp_pairs(int r0, Fn&& fn) {
   const int lane = threadIdx.x % 32;
@@ -456,11 +455,12 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_state_fwd_kernel(const
     if (more) warp_key_rows_async<T, D>(p, hd.k, p.sk.n, b, key0(kappa + 1), s.x);
     else mma::cp_async_commit();  // an empty group: the waits count the same groups in every chunk
     uint32_t hi[16], lo[16];  // the warp's phi(k) values in T halves: 16 rows x 64 features / 32 lanes / 2 per word
+    const bool ok = key_ok(p, b, key0(kappa) + r0 + threadIdx.x % 16);  // the lane's row in every pair (warp_pairs)
     dispatch_planes(p, [&](auto planes) {
       constexpr int P = decltype(planes)::value, R = Items<P>::R;
       warp_pairs<P>(r0, [&](int i, int r, int item) {
         float val[R];
-        Items<P>::values(p, s.sp, s.sm, r, item, key_ok(p, b, key0(kappa) + r), val);
+        Items<P>::values(p, s.sp, s.sm, r, item, ok, val);
 #pragma unroll
         for (int j = 0; j < R / 2; ++j)
           mma::split2<T>(val[2 * j], val[2 * j + 1], hi[i * R / 2 + j], lo[i * R / 2 + j]);
@@ -786,11 +786,12 @@ __global__ void __launch_bounds__(kThreads, 1) race_query_out_fwd_kernel(const P
     project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm);
     __syncwarp();  // the warp's x rows read, its sigma tables written
     if (m + 1 < end) warp_query_rows_async<T, D>(p, hd, m + 1, s);
+    const bool ok = m * kC + r0 + threadIdx.x % 16 < p.nq;  // the lane's row in every pair (warp_pairs)
     dispatch_planes(p, [&](auto planes) {
       constexpr int P = decltype(planes)::value, R = Items<P>::R;
       warp_pairs<P>(r0, [&](int, int r, int item) {
         float val[R];
-        Items<P>::values(p, s.sp, s.sm, r, item, m * kC + r < p.nq, val);
+        Items<P>::values(p, s.sp, s.sm, r, item, ok, val);
         store_halves<R>(s.phq + r * kT + item * R, val);
       });
     });
