@@ -168,14 +168,12 @@ __device__ __forceinline__ void load_vt(const T* v, long long stride, int row0, 
   }
 }
 
-// sigma(+-2 beta u) for u = tanh(W x) of the 64 rows in `tile` (warp w: rows 16w..16w+15), on tensor cores;
-// u itself into u[row * L*P + lt] when u is not null (the backward's chain rule).
+// W x for the warp's 16 rows 16w.. of `tile` on tensor cores, in the C layout: acc[nt] holds planes 8 nt..8 nt + 7
+// (n-tiles past L*P are 0).
 template <typename T, int D>
-__device__ __forceinline__ void project(const Params& p, const T* tile, const T* w, float beta, float* sp, float* sm,
-                                        float* u = nullptr) {
+__device__ __forceinline__ void project_acc(const Params& p, const T* tile, const T* w, float (&acc)[3][4]) {
   constexpr int kX = D + 8;
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
-  float acc[3][4] = {};
+  const int lane = threadIdx.x % 32, r0 = (threadIdx.x / 32) * 16;
 #pragma unroll
   for (int k0 = 0; k0 < D; k0 += 16) {
     uint32_t a[4];
@@ -189,6 +187,16 @@ __device__ __forceinline__ void project(const Params& p, const T* tile, const T*
       mma::m16n8k16(acc[nt], a, b[1], T{});
     }
   }
+}
+
+// sigma(+-2 beta u) for u = tanh(W x) of the 64 rows in `tile` (warp w: rows 16w..16w+15), on tensor cores;
+// u itself into u[row * L*P + lt] when u is not null (the backward's chain rule).
+template <typename T, int D>
+__device__ __forceinline__ void project(const Params& p, const T* tile, const T* w, float beta, float* sp, float* sm,
+                                        float* u = nullptr) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+  float acc[3][4] = {};
+  project_acc<T, D>(p, tile, w, acc);
 #pragma unroll
   for (int nt = 0; nt < 3; ++nt)
 #pragma unroll
@@ -271,6 +279,54 @@ __device__ __forceinline__ void warp_pairs(int r0, Fn&& fn) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int i = 0; i < Items<P>::kPerRow / 2; ++i) fn(i, r0 + lane % 16, lane / 16 + 2 * i);
+}
+
+// fn(i, r, item) for the two (row, table) pairs i = 0, 1 of this lane in project_features_p4.
+template <typename Fn>
+__device__ __forceinline__ void warp_pairs_p4(Fn&& fn) {
+  const int lane = threadIdx.x % 32, t = lane % 4;
+  const int r = (threadIdx.x / 32) * 16 + lane / 4 + 8 * (t & 1);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) fn(i, r, 2 * i + t / 2);
+}
+
+// P = 4 without the sigma tables: the warp's 16 rows r0.. projected (project_acc; then `after_reads`, the warp's reads
+// of `tile` done) and mapped to features in registers. Lane (g, t) holds planes 8 nt + 2t, 2t + 1 of rows g and g + 8
+// (the C layout), so lanes t and t ^ 1 hold the four planes of table 2 nt + t / 2 between them: after one exchange
+// lane t maps row g (t even) or g + 8 (t odd) of that table, for nt = 0, 1: fn(i = nt, r, item = table, val) with
+// val as Items<4>::values gives it (the same sigma values and products, so the same bits; zeros for tables >= L and
+// rows with ok(r) false).
+template <typename T, int D, typename After, typename Ok, typename Fn>
+__device__ __forceinline__ void project_features_p4(const Params& p, const T* tile, const T* w, float beta,
+                                                    After&& after_reads, Ok&& ok, Fn&& fn) {
+  const int odd = threadIdx.x % 2;
+  float acc[3][4] = {};
+  project_acc<T, D>(p, tile, w, acc);
+  __syncwarp();
+  after_reads();
+  warp_pairs_p4([&](int nt, int r, int table) {
+    float pos[4], neg[4];  // e = 0, 1: row g; e = 2, 3: row g + 8 (planes 2t, 2t + 1)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sigmoid_pair(2.f * beta * tanhf(acc[nt][e]), pos[e], neg[e]);
+    float sp[4], sm[4];  // the table's planes 0..3 for the lane's row: two its own, two from lane t ^ 1
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float send_p = odd ? pos[j] : pos[2 + j], send_m = odd ? neg[j] : neg[2 + j];  // the partner's row
+      const float got_p = __shfl_xor_sync(0xffffffffu, send_p, 1), got_m = __shfl_xor_sync(0xffffffffu, send_m, 1);
+      sp[j] = odd ? got_p : pos[j];
+      sm[j] = odd ? got_m : neg[j];
+      sp[2 + j] = odd ? pos[2 + j] : got_p;
+      sm[2 + j] = odd ? neg[2 + j] : got_m;
+    }
+    float val[16];
+    if (table < p.tables && ok(r)) {
+      table_features<4>(sp, sm, 1.f, val);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) val[i] = 0.f;
+    }
+    fn(nt, r, table, val);
+  });
 }
 
 // features() for P planes per table. A warp takes 32 consecutive rows of one item, so the transposed pkt stores of
@@ -432,7 +488,7 @@ __device__ __forceinline__ void state_delta_rows(const T* phr, const T* xv, floa
 // The k rows of chunk kappa + 1 load from the warp's projection of chunk kappa on, its v rows (the other v tile)
 // from the first barrier on.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 1) race_group_state_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) race_group_state_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
   Tiles<T, D> s(smem_raw, Tiles<T, D>::Use::kKeyStates);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -450,29 +506,43 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_state_fwd_kernel(const
     T* xv_next = s.xv + ((kappa - first + 1) & 1) * kC * (D + 8);
     mma::cp_async_wait_prior<1>();  // the warp's k rows of this chunk (its v rows may still be on their way)
     __syncwarp();
-    project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm);
-    __syncwarp();  // the warp's x rows read, its sigma tables written
-    if (more) warp_key_rows_async<T, D>(p, hd.k, p.sk.n, b, key0(kappa + 1), s.x);
-    else mma::cp_async_commit();  // an empty group: the waits count the same groups in every chunk
+    const auto next_keys = [&] {  // once the warp's x rows are read
+      if (more) warp_key_rows_async<T, D>(p, hd.k, p.sk.n, b, key0(kappa + 1), s.x);
+      else mma::cp_async_commit();  // an empty group: the waits count the same groups in every chunk
+    };
     uint32_t hi[16], lo[16];  // the warp's phi(k) values in T halves: 16 rows x 64 features / 32 lanes / 2 per word
-    const bool ok = key_ok(p, b, key0(kappa) + r0 + threadIdx.x % 16);  // the lane's row in every pair (warp_pairs)
-    dispatch_planes(p, [&](auto planes) {
-      constexpr int P = decltype(planes)::value, R = Items<P>::R;
-      warp_pairs<P>(r0, [&](int i, int r, int item) {
-        float val[R];
-        Items<P>::values(p, s.sp, s.sm, r, item, ok, val);
+    const auto split_item = [&](int i, const auto& val) {
+      constexpr int R = sizeof(val) / sizeof(val[0]);
 #pragma unroll
-        for (int j = 0; j < R / 2; ++j)
-          mma::split2<T>(val[2 * j], val[2 * j + 1], hi[i * R / 2 + j], lo[i * R / 2 + j]);
+      for (int j = 0; j < R / 2; ++j) mma::split2<T>(val[2 * j], val[2 * j + 1], hi[i * R / 2 + j], lo[i * R / 2 + j]);
+    };
+    if (p.planes_per_table == 4) {
+      project_features_p4<T, D>(p, s.x, s.w, hd.beta, next_keys, [&](int r) { return key_ok(p, b, key0(kappa) + r); },
+                                [&](int i, int, int, const float (&val)[16]) { split_item(i, val); });
+    } else {
+      project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm);
+      __syncwarp();  // the warp's x rows read, its sigma tables written
+      next_keys();
+      const bool ok = key_ok(p, b, key0(kappa) + r0 + threadIdx.x % 16);  // the lane's row in every pair (warp_pairs)
+      dispatch_planes(p, [&](auto planes) {
+        constexpr int P = decltype(planes)::value, R = Items<P>::R;
+        if constexpr (P != 4)
+          warp_pairs<P>(r0, [&](int i, int r, int item) {
+            float val[R];
+            Items<P>::values(p, s.sp, s.sm, r, item, ok, val);
+            split_item(i, val);
+          });
       });
-    });
+    }
     __syncthreads();  // every warp is done with the previous chunk's phi(k) tile and v tile
     dispatch_planes(p, [&](auto planes) {
       constexpr int P = decltype(planes)::value, R = Items<P>::R;
-      warp_pairs<P>(r0, [&](int i, int r, int item) {
+      const auto store = [&](int i, int r, int item) {
         store_words<R>(s.phr + r * kT + item * R, hi + i * R / 2);
         store_words<R>(s.phr + (kC + r) * kT + item * R, lo + i * R / 2);
-      });
+      };
+      if constexpr (P == 4) warp_pairs_p4(store);
+      else warp_pairs<P>(r0, store);
     });
     if (more) warp_key_rows_async<T, D>(p, hd.v, p.sv.n, b, key0(kappa + 1), xv_next);
     else mma::cp_async_commit();
@@ -783,18 +853,29 @@ __global__ void __launch_bounds__(kThreads, 1) race_query_out_fwd_kernel(const P
   for (int m = first; m < end; ++m) {
     mma::cp_async_wait_all();
     __syncwarp();
-    project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm);
-    __syncwarp();  // the warp's x rows read, its sigma tables written
-    if (m + 1 < end) warp_query_rows_async<T, D>(p, hd, m + 1, s);
-    const bool ok = m * kC + r0 + threadIdx.x % 16 < p.nq;  // the lane's row in every pair (warp_pairs)
-    dispatch_planes(p, [&](auto planes) {
-      constexpr int P = decltype(planes)::value, R = Items<P>::R;
-      warp_pairs<P>(r0, [&](int, int r, int item) {
-        float val[R];
-        Items<P>::values(p, s.sp, s.sm, r, item, ok, val);
-        store_halves<R>(s.phq + r * kT + item * R, val);
+    const auto next_queries = [&] {  // once the warp's x rows are read
+      if (m + 1 < end) warp_query_rows_async<T, D>(p, hd, m + 1, s);
+    };
+    if (p.planes_per_table == 4) {
+      project_features_p4<T, D>(p, s.x, s.w, hd.beta, next_queries, [&](int r) { return m * kC + r < p.nq; },
+                                [&](int, int r, int item, const float (&val)[16]) {
+                                  store_halves<16>(s.phq + r * kT + item * 16, val);
+                                });
+    } else {
+      project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm);
+      __syncwarp();  // the warp's x rows read, its sigma tables written
+      next_queries();
+      const bool ok = m * kC + r0 + threadIdx.x % 16 < p.nq;  // the lane's row in every pair (warp_pairs)
+      dispatch_planes(p, [&](auto planes) {
+        constexpr int P = decltype(planes)::value, R = Items<P>::R;
+        if constexpr (P != 4)
+          warp_pairs<P>(r0, [&](int, int r, int item) {
+            float val[R];
+            Items<P>::values(p, s.sp, s.sm, r, item, ok, val);
+            store_halves<R>(s.phq + r * kT + item * R, val);
+          });
       });
-    });
+    }
     __syncwarp();
     float acc[D / 8 + 1][4] = {};
     state_apply_fp16<T, D>(s, acc);
