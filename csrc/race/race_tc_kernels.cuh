@@ -454,6 +454,32 @@ __device__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa,
   __syncthreads();
 }
 
+// The warp's 16 rows 16w.. of x (s.x) projected and mapped to features: fn(i, r, item, val) for each of the warp's
+// (row, item) pairs i, val the item's Items<P>::R features (project_features_p4 where P = 4; else project into the
+// sigma tables and warp_pairs); after_reads() once the warp's reads of s.x are done; rows with ok(r) false give zeros.
+template <typename T, int D, typename After, typename Ok, typename Fn>
+__device__ __forceinline__ void warp_features(const Params& p, Tiles<T, D>& s, float beta, After&& after_reads, Ok&& ok,
+                                              Fn&& fn) {
+  if (p.planes_per_table == 4) {
+    project_features_p4<T, D>(p, s.x, s.w, beta, after_reads, ok, fn);
+    return;
+  }
+  project<T, D>(p, s.x, s.w, beta, s.sp, s.sm);
+  __syncwarp();  // the warp's x rows read, its sigma tables written
+  after_reads();
+  const int r0 = (threadIdx.x / 32) * 16;
+  const bool row_ok = ok(r0 + static_cast<int>(threadIdx.x % 16));  // the lane's row in every pair (warp_pairs)
+  dispatch_planes(p, [&](auto planes) {
+    constexpr int P = decltype(planes)::value, R = Items<P>::R;
+    if constexpr (P != 4)
+      warp_pairs<P>(r0, [&](int i, int r, int item) {
+        float val[R];
+        Items<P>::values(p, s.sp, s.sm, r, item, row_ok, val);
+        fn(i, r, item, val);
+      });
+  });
+}
+
 // Starts loading (cp.async, one committed group) the warp's 16 rows of key chunk rows [key0, key0 + 64) of x (k or v)
 // into the same rows of a [64][D + 8] tile: zeros past the keys and for padding.
 template <typename T, int D>
@@ -511,29 +537,13 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) race_group_state_fw
       else mma::cp_async_commit();  // an empty group: the waits count the same groups in every chunk
     };
     uint32_t hi[16], lo[16];  // the warp's phi(k) values in T halves: 16 rows x 64 features / 32 lanes / 2 per word
-    const auto split_item = [&](int i, const auto& val) {
-      constexpr int R = sizeof(val) / sizeof(val[0]);
+    warp_features<T, D>(p, s, hd.beta, next_keys, [&](int r) { return key_ok(p, b, key0(kappa) + r); },
+                        [&](int i, int, int, const auto& val) {
+                          constexpr int R = sizeof(val) / sizeof(val[0]);
 #pragma unroll
-      for (int j = 0; j < R / 2; ++j) mma::split2<T>(val[2 * j], val[2 * j + 1], hi[i * R / 2 + j], lo[i * R / 2 + j]);
-    };
-    if (p.planes_per_table == 4) {
-      project_features_p4<T, D>(p, s.x, s.w, hd.beta, next_keys, [&](int r) { return key_ok(p, b, key0(kappa) + r); },
-                                [&](int i, int, int, const float (&val)[16]) { split_item(i, val); });
-    } else {
-      project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm);
-      __syncwarp();  // the warp's x rows read, its sigma tables written
-      next_keys();
-      const bool ok = key_ok(p, b, key0(kappa) + r0 + threadIdx.x % 16);  // the lane's row in every pair (warp_pairs)
-      dispatch_planes(p, [&](auto planes) {
-        constexpr int P = decltype(planes)::value, R = Items<P>::R;
-        if constexpr (P != 4)
-          warp_pairs<P>(r0, [&](int i, int r, int item) {
-            float val[R];
-            Items<P>::values(p, s.sp, s.sm, r, item, ok, val);
-            split_item(i, val);
-          });
-      });
-    }
+                          for (int j = 0; j < R / 2; ++j)
+                            mma::split2<T>(val[2 * j], val[2 * j + 1], hi[i * R / 2 + j], lo[i * R / 2 + j]);
+                        });
     __syncthreads();  // every warp is done with the previous chunk's phi(k) tile and v tile
     dispatch_planes(p, [&](auto planes) {
       constexpr int P = decltype(planes)::value, R = Items<P>::R;
@@ -843,7 +853,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1) race_query_out_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
   Tiles<T, D> s(smem_raw, Tiles<T, D>::Use::kQueryOut);
-  const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z, r0 = (threadIdx.x / 32) * 16;
+  const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
   T* out = static_cast<T*>(p.out) + hd.bh * p.nq * D;
   const int first = grp * kGroup, end = min(p.nqt, first + kGroup);
@@ -856,26 +866,11 @@ __global__ void __launch_bounds__(kThreads, 1) race_query_out_fwd_kernel(const P
     const auto next_queries = [&] {  // once the warp's x rows are read
       if (m + 1 < end) warp_query_rows_async<T, D>(p, hd, m + 1, s);
     };
-    if (p.planes_per_table == 4) {
-      project_features_p4<T, D>(p, s.x, s.w, hd.beta, next_queries, [&](int r) { return m * kC + r < p.nq; },
-                                [&](int, int r, int item, const float (&val)[16]) {
-                                  store_halves<16>(s.phq + r * kT + item * 16, val);
-                                });
-    } else {
-      project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm);
-      __syncwarp();  // the warp's x rows read, its sigma tables written
-      next_queries();
-      const bool ok = m * kC + r0 + threadIdx.x % 16 < p.nq;  // the lane's row in every pair (warp_pairs)
-      dispatch_planes(p, [&](auto planes) {
-        constexpr int P = decltype(planes)::value, R = Items<P>::R;
-        if constexpr (P != 4)
-          warp_pairs<P>(r0, [&](int, int r, int item) {
-            float val[R];
-            Items<P>::values(p, s.sp, s.sm, r, item, ok, val);
-            store_halves<R>(s.phq + r * kT + item * R, val);
-          });
-      });
-    }
+    warp_features<T, D>(p, s, hd.beta, next_queries, [&](int r) { return m * kC + r < p.nq; },
+                        [&](int, int r, int item, const auto& val) {
+                          constexpr int R = sizeof(val) / sizeof(val[0]);
+                          store_halves<R>(s.phq + r * kT + item * R, val);
+                        });
     __syncwarp();
     float acc[D / 8 + 1][4] = {};
     state_apply_fp16<T, D>(s, acc);
