@@ -158,18 +158,19 @@ __device__ __forceinline__ void for_each_b_trans(const T* tile, int pitch, int k
 // A thread's share of a block copying ROWS rows of D 16-bit elements in 16-byte chunks into a shared tile with rows
 // D + 8 elements apart: chunk chunk() of rows row() + kPass i, i < kIters. Addresses are formed once per copy and
 // advanced by kPass rows (no division per chunk; a 64-bit add per global address, constant shared offsets).
-template <int ROWS, int D, int THREADS> struct RowChunks {
+template <int ROWS, int D, int THREADS, bool PER_WARP = false> struct RowChunks {
   static constexpr int kChunks = D / 8, kPass = THREADS / kChunks, kIters = ROWS / kPass;
   static constexpr int kBatch = kIters < 4 ? kIters : 4;  // loads in flight per thread before their stores
   static_assert(THREADS % kChunks == 0 && ROWS % kPass == 0 && kIters % kBatch == 0, "tile shapes");
-  static __device__ __forceinline__ int row(int tid) { return tid / kChunks; }
-  static __device__ __forceinline__ uint4* dst(void* tile, int i, int tid) {  // this thread's chunk of pass i
+  // this thread's index among the THREADS that copy: the block's, or its lane for a warp's own rows (PER_WARP)
+  static __device__ __forceinline__ unsigned tid() { return PER_WARP ? threadIdx.x % 32u : threadIdx.x; }
+  static __device__ __forceinline__ int row() { return tid() / kChunks; }
+  static __device__ __forceinline__ uint4* dst(void* tile, int i) {  // this thread's chunk of pass i
     return reinterpret_cast<uint4*>(static_cast<char*>(tile) +
-                                    2 * ((row(tid) + kPass * i) * (D + 8) + 8 * (tid % kChunks)));
+                                    2 * ((row() + kPass * i) * (D + 8) + 8 * (tid() % kChunks)));
   }
-  template <typename T>
-  static __device__ __forceinline__ const T* src(const T* x, long long stride, int row0, int tid) {
-    return x + (row0 + row(tid)) * stride + 8 * (tid % kChunks);
+  template <typename T> static __device__ __forceinline__ const T* src(const T* x, long long stride, int row0) {
+    return x + (row0 + row()) * stride + 8 * (tid() % kChunks);
   }
 };
 
@@ -180,8 +181,8 @@ template <int ROWS, int D, int THREADS> struct RowChunks {
 template <int ROWS, int D, int THREADS, typename T, typename Ok>
 __device__ __forceinline__ void load_rows(void* tile, const T* x, long long stride, int row0, Ok ok) {
   using C = RowChunks<ROWS, D, THREADS>;
-  const int tid = threadIdx.x, r = C::row(tid);
-  const T* src = C::src(x, stride, row0, tid);
+  const int r = C::row();
+  const T* src = C::src(x, stride, row0);
 #pragma unroll
   for (int i0 = 0; i0 < C::kIters; i0 += C::kBatch) {
     uint4 val[C::kBatch];
@@ -191,22 +192,21 @@ __device__ __forceinline__ void load_rows(void* tile, const T* x, long long stri
       if (ok(r + C::kPass * (i0 + i))) val[i] = __ldg(reinterpret_cast<const uint4*>(src));
     }
 #pragma unroll
-    for (int i = 0; i < C::kBatch; ++i) *C::dst(tile, i0 + i, tid) = val[i];
+    for (int i = 0; i < C::kBatch; ++i) *C::dst(tile, i0 + i) = val[i];
   }
 }
 
-// The same by cp.async (no registers), as one committed group: completes at cp_async_wait_all. tid: this thread's
-// index among the THREADS that copy the tile (default: the block's threads; a warp's lane for a warp's own rows).
-template <int ROWS, int D, int THREADS, typename T, typename Ok>
-__device__ __forceinline__ void load_rows_async(void* tile, const T* x, long long stride, int row0, Ok ok,
-                                                int tid = threadIdx.x) {
-  using C = RowChunks<ROWS, D, THREADS>;
-  const int r = C::row(tid);
-  const T* src = C::src(x, stride, row0, tid);
+// The same by cp.async (no registers), as one committed group: completes at cp_async_wait_all. PER_WARP: THREADS = 32
+// lanes of one warp copy the tile (a warp's own rows).
+template <int ROWS, int D, int THREADS, bool PER_WARP = false, typename T, typename Ok>
+__device__ __forceinline__ void load_rows_async(void* tile, const T* x, long long stride, int row0, Ok ok) {
+  using C = RowChunks<ROWS, D, THREADS, PER_WARP>;
+  const int r = C::row();
+  const T* src = C::src(x, stride, row0);
 #pragma unroll
   for (int i = 0; i < C::kIters; ++i, src += C::kPass * stride) {
     const bool valid = ok(r + C::kPass * i);
-    cp_async16(C::dst(tile, i, tid), valid ? src : x, valid);
+    cp_async16(C::dst(tile, i), valid ? src : x, valid);
   }
   cp_async_commit();
 }

@@ -486,8 +486,8 @@ template <typename T, int D>
 __device__ __forceinline__ void warp_key_rows_async(const Params& p, const T* x, long long stride, int b, int key0,
                                                     T* tile) {
   const int r0 = (threadIdx.x / 32) * 16, k0 = key0 + r0;
-  mma::load_rows_async<16, D, 32>(tile + r0 * (D + 8), x, stride, k0, [&p, b, k0](int r) { return key_ok(p, b, k0 + r); },
-                                  static_cast<int>(threadIdx.x % 32));
+  mma::load_rows_async<16, D, 32, true>(tile + r0 * (D + 8), x, stride, k0,
+                                        [&p, b, k0](int r) { return key_ok(p, b, k0 + r); });
 }
 
 // acc[n] += phi(k)^T [v, 1] for the warp's 16 features (columns 16w.. of phr: phi(k) in T halves, hi [key][feature],
@@ -841,8 +841,8 @@ __device__ __forceinline__ void store_out_rows(const Params& p, const float (&ac
 template <typename T, int D>
 __device__ __forceinline__ void warp_query_rows_async(const Params& p, const Heads<T>& hd, int m, Tiles<T, D>& s) {
   const int r0 = (threadIdx.x / 32) * 16, q0 = m * kC + r0;
-  mma::load_rows_async<16, D, 32>(s.x + r0 * (D + 8), hd.q, p.sq.n, q0, [q0, nq = p.nq](int r) { return q0 + r < nq; },
-                                  static_cast<int>(threadIdx.x % 32));
+  mma::load_rows_async<16, D, 32, true>(s.x + r0 * (D + 8), hd.q, p.sq.n, q0,
+                                        [q0, nq = p.nq](int r) { return q0 + r < nq; });
 }
 
 // Non-causal: per (group of kGroup query tiles, q head, batch), out from the total key state. After the state is
