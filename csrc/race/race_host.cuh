@@ -197,9 +197,9 @@ inline bool tc_key_side_applies(const at::Tensor& q, const Params& p, const c10:
 // Query-state groups of the tensor-core key side: the key-chunk groups (causal) or groups of kGroup query tiles.
 inline int tc_query_groups(const Params& p) { return div_up(p.causal ? p.nkc : p.nqt, tc::kGroup); }
 
-// Group states of the tensor-core kernels: per group of tc::kGroup key chunks sum phi(k) [v, 1]^T, then
-// their exclusive prefix (causal) or their total alone (non-causal), slot ngk: the total. Sets p.ngk, p.ngq and p.kstate, p.kz. q, k, v must be 16-byte
-// vector readable (hfab::vector_readable) and p point at them.
+// Group states of the tensor-core kernels: per group of tc::kGroup key chunks sum phi(k) [v, 1]^T, then their
+// exclusive prefix (causal) or their total alone (non-causal), slot ngk: the total. Sets p.ngk, p.ngq and p.kstate,
+// p.kz. q, k, v must be 16-byte vector readable (hfab::vector_readable) and p point at them.
 template <typename T, int D>
 void tc_key_states(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, const at::TensorOptions& f32,
                    int64_t batch, const c10::Device& device, cudaStream_t stream) {
