@@ -480,31 +480,46 @@ __device__ __forceinline__ void warp_features(const Params& p, Tiles<T, D>& s, f
   });
 }
 
+// This lane's flag for the warp's 16 key rows from k0 (lanes l and l + 16: row k0 + l): key_ok, one load that can be
+// in flight while the warp computes; warp_flags gathers the 16 flags.
+__device__ __forceinline__ bool lane_key_ok(const Params& p, int b, int k0) {
+  return key_ok(p, b, k0 + static_cast<int>(threadIdx.x % 16));
+}
+
+// Bit r: the flag of lane r (r < 16), i.e. of row r of the warp's 16 rows.
+__device__ __forceinline__ unsigned warp_flags(bool lane_flag) { return __ballot_sync(0xffffffffu, lane_flag) & 0xffffu; }
+
 // Starts loading (cp.async, one committed group) the warp's 16 rows of key chunk rows [key0, key0 + 64) of x (k or v)
-// into the same rows of a [64][D + 8] tile: zeros past the keys and for padding.
+// into the same rows of a [64][D + 8] tile: zeros where bit r of `flags` (warp row r, warp_flags) is 0, i.e. past the
+// keys and for padding.
 template <typename T, int D>
-__device__ __forceinline__ void warp_key_rows_async(const Params& p, const T* x, long long stride, int b, int key0,
-                                                    T* tile) {
-  const int r0 = (threadIdx.x / 32) * 16, k0 = key0 + r0;
-  mma::load_rows_async<16, D, 32, true>(tile + r0 * (D + 8), x, stride, k0,
-                                        [&p, b, k0](int r) { return key_ok(p, b, k0 + r); });
+__device__ __forceinline__ void warp_key_rows_async(const T* x, long long stride, int key0, unsigned flags, T* tile) {
+  const int r0 = (threadIdx.x / 32) * 16;
+  mma::load_rows_async<16, D, 32, true>(tile + r0 * (D + 8), x, stride, key0 + r0,
+                                        [flags](int r) { return ((flags >> r) & 1u) != 0; });
 }
 
 // acc[n] += phi(k)^T [v, 1] for the warp's 16 features (columns 16w.. of phr: phi(k) in T halves, hi [key][feature],
 // lo kC kT after) over the chunk's 64 keys, and the D / 8 + 1 n-tiles of the row-major v tile xv (column D = 1), both
-// operands by ldmatrix.trans; per n-tile hi, then lo (state_delta's order).
+// operands by ldmatrix.trans; per n-tile hi, then lo (state_delta's order), every lo product issued after all hi ones
+// (two products into one accumulator back to back would wait out the first one's latency).
 template <typename T, int D>
 __device__ __forceinline__ void state_delta_rows(const T* phr, const T* xv, float (&acc)[D / 8 + 1][4]) {
+  constexpr int kN = D / 8 + 1;
   const int lane = threadIdx.x % 32, f0 = (threadIdx.x / 32) * 16;
 #pragma unroll
   for (int kk = 0; kk < kC / 16; ++kk) {
-    uint32_t hi[4], lo[4];
+    uint32_t hi[4], lo[4], b[kN][2];
     mma::load_a_trans(hi, phr, kT, f0, kk * 16, lane);
     mma::load_a_trans(lo, phr + kC * kT, kT, f0, kk * 16, lane);
-    mma::for_each_b_trans<D / 8 + 1>(xv, D + 8, kk * 16, lane, [&](int n, const uint32_t (&b)[2]) {
-      mma::m16n8k16(acc[n], hi, b, T{});
-      mma::m16n8k16(acc[n], lo, b, T{});
+    mma::for_each_b_trans<kN>(xv, D + 8, kk * 16, lane, [&](int n, const uint32_t (&bn)[2]) {
+      b[n][0] = bn[0];
+      b[n][1] = bn[1];
     });
+#pragma unroll
+    for (int n = 0; n < kN; ++n) mma::m16n8k16(acc[n], hi, b[n], T{});
+#pragma unroll
+    for (int n = 0; n < kN; ++n) mma::m16n8k16(acc[n], lo, b[n], T{});
   }
 }
 
@@ -521,8 +536,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) race_group_state_fw
   const Heads<T> hd(p, h, b);
   const int first = grp * kGroup, end = min(p.nkc, (grp + 1) * kGroup), r0 = (threadIdx.x / 32) * 16;
   const auto key0 = [&p](int kappa) { return p.s0 + kappa * kC; };
-  warp_key_rows_async<T, D>(p, hd.k, p.sk.n, b, key0(first), s.x);
-  warp_key_rows_async<T, D>(p, hd.v, p.sv.n, b, key0(first), s.xv);
+  unsigned flags = warp_flags(lane_key_ok(p, b, key0(first) + r0));  // the warp's rows of chunk kappa
+  warp_key_rows_async<T, D>(hd.k, p.sk.n, key0(first), flags, s.x);
+  warp_key_rows_async<T, D>(hd.v, p.sv.n, key0(first), flags, s.xv);
   init_constants<T, D>(p, s);
   __syncthreads();
   float acc[D / 8 + 1][4] = {};
@@ -530,14 +546,17 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) race_group_state_fw
     const bool more = kappa + 1 < end;
     T* xv = s.xv + ((kappa - first) & 1) * kC * (D + 8);
     T* xv_next = s.xv + ((kappa - first + 1) & 1) * kC * (D + 8);
+    const bool next_flag = lane_key_ok(p, b, key0(kappa + 1) + r0);  // false past the keys
+    unsigned next_flags = 0;
     mma::cp_async_wait_prior<1>();  // the warp's k rows of this chunk (its v rows may still be on their way)
     __syncwarp();
     const auto next_keys = [&] {  // once the warp's x rows are read
-      if (more) warp_key_rows_async<T, D>(p, hd.k, p.sk.n, b, key0(kappa + 1), s.x);
+      next_flags = warp_flags(next_flag);
+      if (more) warp_key_rows_async<T, D>(hd.k, p.sk.n, key0(kappa + 1), next_flags, s.x);
       else mma::cp_async_commit();  // an empty group: the waits count the same groups in every chunk
     };
     uint32_t hi[16], lo[16];  // the warp's phi(k) values in T halves: 16 rows x 64 features / 32 lanes / 2 per word
-    warp_features<T, D>(p, s, hd.beta, next_keys, [&](int r) { return key_ok(p, b, key0(kappa) + r); },
+    warp_features<T, D>(p, s, hd.beta, next_keys, [flags, r0](int r) { return ((flags >> (r - r0)) & 1u) != 0; },
                         [&](int i, int, int, const auto& val) {
                           constexpr int R = sizeof(val) / sizeof(val[0]);
 #pragma unroll
@@ -554,11 +573,12 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) race_group_state_fw
       if constexpr (P == 4) warp_pairs_p4(store);
       else warp_pairs<P>(r0, store);
     });
-    if (more) warp_key_rows_async<T, D>(p, hd.v, p.sv.n, b, key0(kappa + 1), xv_next);
+    if (more) warp_key_rows_async<T, D>(hd.v, p.sv.n, key0(kappa + 1), next_flags, xv_next);
     else mma::cp_async_commit();
     mma::cp_async_wait_prior<2>();  // the warp's v rows of this chunk
     __syncthreads();
     state_delta_rows<T, D>(s.phr, xv, acc);
+    flags = next_flags;
   }
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
   float* A = p.kstate + (hd.bh * (p.ngk + 1) + grp) * p.features * D;

@@ -164,10 +164,13 @@ template <typename V>
 V __shfl_xor_sync(unsigned, V v, int mask) {
   return emu::exchange(v, (threadIdx.x % 32) ^ mask);
 }
-inline int __all_sync(unsigned, int pred) {
+inline unsigned __ballot_sync(unsigned, int pred) {  // bit l: lane l's predicate
   const auto all = emu::gather(pred != 0);
-  return std::all_of(all.begin(), all.end(), [](bool x) { return x; }) ? 1 : 0;
+  unsigned bits = 0;
+  for (unsigned lane = 0; lane < 32; ++lane) bits |= all[lane] ? 1u << lane : 0u;
+  return bits;
 }
+inline int __all_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) == 0xffffffffu ? 1 : 0; }
 template <typename V> V __ldg(const V* p) { return *p; }
 inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
 inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
