@@ -169,24 +169,23 @@ __device__ __forceinline__ void load_vt(const T* v, long long stride, int row0, 
 }
 
 // W x for the warp's 16 rows 16w.. of `tile` on tensor cores, in the C layout: acc[nt] holds planes 8 nt..8 nt + 7
-// (n-tiles past L*P are 0). Per k-step and n-tile the hi product, then the lo one; the lo products are issued after
-// every n-tile's hi one (back to back, the second would wait out the first one's latency).
+// (n-tiles past L*P are 0).
 template <typename T, int D>
 __device__ __forceinline__ void project_acc(const Params& p, const T* tile, const T* w, float (&acc)[3][4]) {
   constexpr int kX = D + 8;
   const int lane = threadIdx.x % 32, r0 = (threadIdx.x / 32) * 16;
 #pragma unroll
   for (int k0 = 0; k0 < D; k0 += 16) {
-    uint32_t a[4], b[3][2][2];  // b[nt]: planes hi, lo
+    uint32_t a[4];
     mma::load_a(a, tile, kX, r0, k0, lane);
 #pragma unroll
-    for (int nt = 0; nt < 3; ++nt)
-      if (nt * 8 < p.lp) mma::load_b2(b[nt], w, kX, nt * 8, kLPMax + nt * 8, k0, lane);
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-#pragma unroll
-      for (int nt = 0; nt < 3; ++nt)
-        if (nt * 8 < p.lp) mma::m16n8k16(acc[nt], a, b[nt][half], T{});
+    for (int nt = 0; nt < 3; ++nt) {
+      if (nt * 8 >= p.lp) continue;
+      uint32_t b[2][2];  // planes hi, lo
+      mma::load_b2(b, w, kX, nt * 8, kLPMax + nt * 8, k0, lane);
+      mma::m16n8k16(acc[nt], a, b[0], T{});
+      mma::m16n8k16(acc[nt], a, b[1], T{});
+    }
   }
 }
 
