@@ -199,8 +199,9 @@ inline int tc_query_groups(const Params& p) { return div_up(p.causal ? p.nkc : p
 
 // Group states of the tensor-core kernels: per group of tc::kGroup key chunks sum phi(k) [v, 1]^T, then their
 // exclusive prefix (causal) or their total alone (non-causal), slot ngk: the total. Sets p.ngk, p.ngq and p.kstate,
-// p.kz. q, k, v must be 16-byte vector readable (hfab::vector_readable) and p point at them.
-template <typename T, int D>
+// p.kz. q, k, v must be 16-byte vector readable (hfab::vector_readable) and p point at them. HALF: the forward's fp16
+// products (race_group_state_fwd_kernel); the backward takes the split ones.
+template <typename T, int D, bool HALF = true>
 void tc_key_states(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, const at::TensorOptions& f32,
                    int64_t batch, const c10::Device& device, cudaStream_t stream) {
   p.ngk = div_up(p.nkc, tc::kGroup);
@@ -210,7 +211,7 @@ void tc_key_states(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz
   p.kstate = gstate.data_ptr<float>();
   p.kz = gz.data_ptr<float>();
   const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
-  launch_bytes(op, tc::race_group_state_fwd_kernel<T, D>, dim3(p.ngk, h, b), tc::kThreads,
+  launch_bytes(op, tc::race_group_state_fwd_kernel<T, D, HALF>, dim3(p.ngk, h, b), tc::kThreads,
                tc::Tiles<T, D>::key_states_bytes, p, device, stream);
   const int elems = p.features * D + p.features;
   race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), h, b), kThreads, 0, stream>>>(

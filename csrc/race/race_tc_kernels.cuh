@@ -10,8 +10,10 @@
 //   race_query_out_fwd_kernel    non-causal: per group of query tiles, out from the total state
 // 128 threads (4 warps); warp w owns rows [16w, 16w + 16) of a 64-row tile (queries or features).
 // Operand precision (measured in a float64 simulation, NOTES.md): projections x W^T with W split in
-// two T halves (hi + lo); scores phi(q) phi(k)^T with fp16 features; a v and phi(k)^T v with the non-v
-// operand split in two T halves, v in T; the state apply phi(q) [A, z] in tf32 (the state is fp32 and
+// two T halves (hi + lo); scores phi(q) phi(k)^T with fp16 features; a v and the causal out kernel's phi(k)^T v with
+// the non-v operand split in two T halves, v in T; the group states phi(k)^T v with fp16 phi(k) and v in fp16 times a
+// power of two per warp's 16 rows (bf16 v; warp_rows_to_half), fp32 sums, in the forward (the backward's group states
+// as the causal out kernel's product); the state apply phi(q) [A, z] in tf32 (the state is fp32 and
 // can exceed the fp16 range) where the state grows (causal), in fp16 times one power of two where it is fixed
 // (non-causal: the same 11 significant bits). The denominators ride along as one more column: v gets a row of ones
 // (intra-chunk sums of a), the state keeps z in column D, so num and den see the same rounded a.
@@ -48,8 +50,9 @@ struct Tiles {
   static constexpr int st_off = ok_off + 2 * kC * 4;                // flags of query rows, key rows
   static constexpr int bytes = st_off + kS * kX * 4;                // fp32 state [feature][d], column D = z
   // Kernels that use part of the tiles pack them below the ones they skip (fewer bytes: more blocks per SM):
-  // kKeyStates (race_group_state_fwd_kernel): x, w, the sigma tables, then phi(k) in T halves row-major (phr: hi
-  // [key][feature], lo after it) at phq_off, and two v tiles xv (row-major, column D = 1: the z column).
+  // kKeyStates (race_group_state_fwd_kernel): x, w, the sigma tables, then two fp16 phi(k) tiles (phk: [key][feature],
+  // the second kC kT after the first) at phq_off, two v tiles xv (row-major; fp16 once a warp has converted its rows,
+  // column D = 1: the z column) and the two tiles' exponents ve (int [2][4]: one per warp's 16 rows).
   // kQueryOut (race_query_out_fwd_kernel): x, w, the sigma tables, phq, then the state in fp16 (sth: [feature][d],
   // z in column D) at phk_off and the output rows (ot: [64][D + 8], T) after it.
   // kCausalOut (the causal race_group_out_fwd_kernel): every tile, a second x tile (xk, at `bytes`) for the key
@@ -61,7 +64,8 @@ struct Tiles {
   static constexpr bool causal_stages_v = D <= 64;
   static constexpr int causal_out_bytes = bytes + (causal_stages_v ? 2 : 1) * x_bytes;
   static constexpr int ks_xv_off = phq_off + 2 * kC * kT * 2;
-  static constexpr int key_states_bytes = ks_xv_off + 2 * x_bytes;
+  static constexpr int ks_ve_off = ks_xv_off + 2 * x_bytes;
+  static constexpr int key_states_bytes = ks_ve_off + 2 * kThreads / 32 * 4;
   static constexpr int qo_ot_off = phk_off + kS * kX * 2;
   static constexpr int query_out_bytes = qo_ot_off + x_bytes;
   static_assert(ks_xv_off % 16 == 0 && qo_ot_off % 16 == 0 && st_off % 16 == 0 &&
@@ -72,10 +76,10 @@ struct Tiles {
 
   T *x, *xk, *w, *pkt = nullptr, *vt = nullptr;  // xk: x of key rows (x itself but in kCausalOut)
   T* xv = nullptr;                                // v rows, row-major, when staged (else load_vt reads global)
-  T *phr = nullptr, *ot = nullptr;
+  T* ot = nullptr;
   float *sp, *sm, *st = nullptr;
   __half *phq = nullptr, *phk = nullptr, *sth = nullptr;
-  int *okq = nullptr, *okk = nullptr;
+  int *okq = nullptr, *okk = nullptr, *ve = nullptr;
   bool prefetch;
 
   __device__ explicit Tiles(char* base, Use use = Use::kAll)
@@ -86,8 +90,9 @@ struct Tiles {
         sm(sp + kC * kLPMax),
         prefetch(use != Use::kAll) {
     if (use == Use::kKeyStates) {
-      phr = reinterpret_cast<T*>(base + phq_off);
+      phk = reinterpret_cast<__half*>(base + phq_off);
       xv = reinterpret_cast<T*>(base + ks_xv_off);
+      ve = reinterpret_cast<int*>(base + ks_ve_off);
     } else if (use == Use::kQueryOut) {
       phq = reinterpret_cast<__half*>(base + phq_off);
       sth = reinterpret_cast<__half*>(base + phk_off);
@@ -106,8 +111,9 @@ struct Tiles {
 };
 
 // Planes split into T halves (rows >= L*P are 0); rows D.. of v^T: a row of ones, then zeros; in kKeyStates' two
-// row-major v tiles, columns D.. of every row: a one, then zeros (the copies of v rows write columns < D only).
-template <typename T, int D>
+// row-major v tiles, columns D.. of every row: a one of type V (the product's operand type), then zeros (the copies
+// of v rows write columns < D only).
+template <typename T, int D, typename V = T>
 __device__ void init_constants(const Params& p, Tiles<T, D>& s) {
   constexpr int kX = Tiles<T, D>::kX;
   for (int e = threadIdx.x; e < kLPMax * D; e += kThreads) {
@@ -117,9 +123,9 @@ __device__ void init_constants(const Params& p, Tiles<T, D>& s) {
     s.w[lt * kX + d] = hi;
     s.w[(kLPMax + lt) * kX + d] = lo;
   }
-  if (s.phr != nullptr) {
+  if (s.ve != nullptr) {
     for (int e = threadIdx.x; e < 2 * kC * 8; e += kThreads)
-      s.xv[(e / 8) * kX + D + e % 8] = from_float<T>(e % 8 == 0 ? 1.f : 0.f);
+      reinterpret_cast<V*>(s.xv)[(e / 8) * kX + D + e % 8] = from_float<V>(e % 8 == 0 ? 1.f : 0.f);
     return;
   }
   if (s.vt == nullptr) return;  // kQueryOut: no v^T tile
@@ -499,6 +505,69 @@ __device__ __forceinline__ void warp_key_rows_async(const T* x, long long stride
                                         [flags](int r) { return ((flags >> r) & 1u) != 0; });
 }
 
+// acc[n] (n < D / 8) *= 2^d, in steps that stay normal fp32 factors (the exponents of two v tiles can be ~240 apart).
+template <int D>
+__device__ __forceinline__ void scale_pow2(float (&acc)[D / 8 + 1][4], int d) {
+  while (d != 0) {
+    const int step = d < -126 ? -126 : (d > 126 ? 126 : d);
+    const float f = __int_as_float((127 + step) << 23);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[n][i] *= f;
+    d -= step;
+  }
+}
+
+// The exponent e of a v tile's 16 rows whose largest |v| is m: 0 where fp16 holds the rows' bf16 values as they are
+// (m in [2^-6, 2^15): values of 2^-17 and more exact, smaller ones within 2^-25 <= 2^-19 m), else such that m 2^-e lies
+// in [2^14, 2^15) (e >= -126: 2^-e a normal fp32 factor).
+__device__ __forceinline__ int v_exponent(float m) {
+  if (m == 0.f || (m >= 0x1p-6f && m < 0x1p15f)) return 0;
+  const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu) - 127 - 14;
+  return e < -126 ? -126 : e;
+}
+
+// The warp's 16 rows r0.. of a row-major v tile ([64][D + 8], D columns of T) rewritten in place as fp16 v 2^-e and e
+// returned (warp-uniform, v_exponent of the rows' largest |v|): the product's B operand in the type of the fp16 phi(k).
+// fp16 rows stay as they are (e = 0).
+template <typename T, int D>
+__device__ __forceinline__ int warp_rows_to_half(T* xv) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return 0;
+  } else {
+    constexpr int kPer = 16 * D / 8 / 32;  // 16-byte chunks per lane
+    const int lane = threadIdx.x % 32, r0 = (threadIdx.x / 32) * 16;
+    uint4 val[kPer];
+    uint4* chunk[kPer];
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int c = lane + 32 * i, r = r0 + c / (D / 8);
+      chunk[i] = reinterpret_cast<uint4*>(xv + r * (D + 8) + 8 * (c % (D / 8)));
+      val[i] = *chunk[i];
+      const uint32_t words[4] = {val[i].x, val[i].y, val[i].z, val[i].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 x = mma::unpack2<T>(words[j]);
+        m = fmaxf(m, fmaxf(fabsf(x.x), fabsf(x.y)));
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    const int e = v_exponent(m);
+    const float f = __int_as_float((127 - e) << 23);  // 2^-e, exact products
+    const auto half_word = [f](uint32_t w) {
+      const float2 x = mma::unpack2<T>(w);
+      return mma::pack2<__half>(x.x * f, x.y * f);
+    };
+#pragma unroll
+    for (int i = 0; i < kPer; ++i)
+      *chunk[i] = make_uint4(half_word(val[i].x), half_word(val[i].y), half_word(val[i].z), half_word(val[i].w));
+    return e;
+  }
+}
+
 // acc[n] += phi(k)^T [v, 1] for the warp's 16 features (columns 16w.. of phr: phi(k) in T halves, hi [key][feature],
 // lo kC kT after) over the chunk's 64 keys, and the D / 8 + 1 n-tiles of the row-major v tile xv (column D = 1), both
 // operands by ldmatrix.trans; per n-tile hi, then lo (state_delta's order), every lo product issued after all hi ones
@@ -523,29 +592,58 @@ __device__ __forceinline__ void state_delta_rows(const T* phr, const T* xv, floa
   }
 }
 
-// Per (key-chunk group, q head, batch): the group's sum_j phi(k_j) [v_j, 1]^T into slot grp of p.kstate, p.kz. Each
-// warp loads (cp.async), projects and maps its 16 rows of every chunk on its own; two barriers per chunk: before its
-// phi(k) halves overwrite the tile that the previous chunk's products read, and before this chunk's products.
-// The k rows of chunk kappa + 1 load from the warp's projection of chunk kappa on, its v rows (the other v tile)
-// from the first barrier on.
-template <typename T, int D>
+// acc[n] += phi(k)^T [v, 1] for the warp's 16 features (columns 16w.. of phk: fp16 phi(k) [key][feature]) over the
+// chunk's 64 keys, and the D / 8 + 1 n-tiles of the row-major fp16 v tile xv (column D = 1) whose k-step kk holds
+// v 2^-ve[kk], both operands by ldmatrix.trans. acc[n < D / 8] holds the sums times 2^-e_cur: rescaled (a warp-uniform
+// branch) when a k-step's exponent differs from it; the z column (n = D / 8) is never scaled.
+template <int D>
+__device__ __forceinline__ void state_delta_half(const __half* phk, const __half* xv, const int* ve,
+                                                 float (&acc)[D / 8 + 1][4], int& e_cur) {
+  constexpr int kN = D / 8 + 1;
+  const int lane = threadIdx.x % 32, f0 = (threadIdx.x / 32) * 16;
+#pragma unroll
+  for (int kk = 0; kk < kC / 16; ++kk) {
+    const int e = ve[kk];
+    if (e != e_cur) {
+      scale_pow2<D>(acc, e_cur - e);
+      e_cur = e;
+    }
+    uint32_t a[4];
+    mma::load_a_trans(a, phk, kT, f0, kk * 16, lane);
+    mma::for_each_b_trans<kN>(xv, D + 8, kk * 16, lane,
+                              [&](int n, const uint32_t (&b)[2]) { mma::m16n8k16(acc[n], a, b, __half{}); });
+  }
+}
+
+// Per (key-chunk group, q head, batch): the group's sum_j phi(k_j) [v_j, 1]^T into slot grp of p.kstate, p.kz, with
+// fp32 sums. Each warp loads (cp.async), projects and maps its 16 rows of every chunk on its own; the k rows of chunk
+// kappa + 1 load from the warp's projection of chunk kappa on, its v rows (the other v tile) from the chunk's last
+// barrier on. HALF (the forward): fp16 phi(k) times fp16 v 2^-e (each warp converts its v rows: warp_rows_to_half),
+// phi(k) and v tiles kappa % 2 and one barrier per chunk (a warp past it knows every warp done with chunk kappa - 1's
+// products, so the tiles of kappa + 1 are free). Else (the backward: its gradients need more of the state's bits)
+// phi(k) split in two T halves times v in T, one phi tile and two barriers per chunk: before the halves overwrite the
+// tile that the previous chunk's products read, and before this chunk's products.
+template <typename T, int D, bool HALF = true>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) race_group_state_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
   Tiles<T, D> s(smem_raw, Tiles<T, D>::Use::kKeyStates);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
-  const int first = grp * kGroup, end = min(p.nkc, (grp + 1) * kGroup), r0 = (threadIdx.x / 32) * 16;
+  const int first = grp * kGroup, end = min(p.nkc, (grp + 1) * kGroup), lane = threadIdx.x % 32, w = threadIdx.x / 32;
+  const int r0 = 16 * w;
   const auto key0 = [&p](int kappa) { return p.s0 + kappa * kC; };
   unsigned flags = warp_flags(lane_key_ok(p, b, key0(first) + r0));  // the warp's rows of chunk kappa
   warp_key_rows_async<T, D>(hd.k, p.sk.n, key0(first), flags, s.x);
   warp_key_rows_async<T, D>(hd.v, p.sv.n, key0(first), flags, s.xv);
-  init_constants<T, D>(p, s);
+  init_constants<T, D, std::conditional_t<HALF, __half, T>>(p, s);
   __syncthreads();
   float acc[D / 8 + 1][4] = {};
+  int e_cur = 0;  // HALF: acc[n < D / 8] holds the sums times 2^-e_cur
   for (int kappa = first; kappa < end; ++kappa) {
     const bool more = kappa + 1 < end;
-    T* xv = s.xv + ((kappa - first) & 1) * kC * (D + 8);
-    T* xv_next = s.xv + ((kappa - first + 1) & 1) * kC * (D + 8);
+    const int buf = (kappa - first) & 1;
+    T* xv = s.xv + buf * kC * (D + 8);
+    T* xv_next = s.xv + (buf ^ 1) * kC * (D + 8);
     const bool next_flag = lane_key_ok(p, b, key0(kappa + 1) + r0);  // false past the keys
     unsigned next_flags = 0;
     mma::cp_async_wait_prior<1>();  // the warp's k rows of this chunk (its v rows may still be on their way)
@@ -555,32 +653,53 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) race_group_state_fw
       if (more) warp_key_rows_async<T, D>(hd.k, p.sk.n, key0(kappa + 1), next_flags, s.x);
       else mma::cp_async_commit();  // an empty group: the waits count the same groups in every chunk
     };
-    uint32_t hi[16], lo[16];  // the warp's phi(k) values in T halves: 16 rows x 64 features / 32 lanes / 2 per word
-    warp_features<T, D>(p, s, hd.beta, next_keys, [flags, r0](int r) { return ((flags >> (r - r0)) & 1u) != 0; },
-                        [&](int i, int, int, const auto& val) {
-                          constexpr int R = sizeof(val) / sizeof(val[0]);
+    const auto next_values = [&] {  // once every warp is done with chunk kappa - 1's products
+      if (more) warp_key_rows_async<T, D>(hd.v, p.sv.n, key0(kappa + 1), next_flags, xv_next);
+      else mma::cp_async_commit();
+    };
+    const auto ok = [flags, r0](int r) { return ((flags >> (r - r0)) & 1u) != 0; };
+    if constexpr (HALF) {
+      __half* phk = s.phk + buf * kC * kT;
+      int* ve = s.ve + buf * kThreads / 32;
+      warp_features<T, D>(p, s, hd.beta, next_keys, ok, [&](int, int r, int item, const auto& val) {
+        constexpr int R = sizeof(val) / sizeof(val[0]);
+        store_halves<R>(phk + r * kT + item * R, val);
+      });
+      mma::cp_async_wait_prior<1>();  // the warp's v rows of this chunk
+      __syncwarp();
+      const int e = warp_rows_to_half<T, D>(xv);
+      if (lane == 0) ve[w] = e;
+      __syncthreads();
+      next_values();
+      state_delta_half<D>(phk, reinterpret_cast<const __half*>(xv), ve, acc, e_cur);
+    } else {
+      T* phr = reinterpret_cast<T*>(s.phk);  // hi [key][feature], lo kC kT after
+      uint32_t hi[16], lo[16];  // the warp's phi(k) values in T halves: 16 rows x 64 features / 32 lanes / 2 per word
+      warp_features<T, D>(p, s, hd.beta, next_keys, ok, [&](int i, int, int, const auto& val) {
+        constexpr int R = sizeof(val) / sizeof(val[0]);
 #pragma unroll
-                          for (int j = 0; j < R / 2; ++j)
-                            mma::split2<T>(val[2 * j], val[2 * j + 1], hi[i * R / 2 + j], lo[i * R / 2 + j]);
-                        });
-    __syncthreads();  // every warp is done with the previous chunk's phi(k) tile and v tile
-    dispatch_planes(p, [&](auto planes) {
-      constexpr int P = decltype(planes)::value, R = Items<P>::R;
-      const auto store = [&](int i, int r, int item) {
-        store_words<R>(s.phr + r * kT + item * R, hi + i * R / 2);
-        store_words<R>(s.phr + (kC + r) * kT + item * R, lo + i * R / 2);
-      };
-      if constexpr (P == 4) warp_pairs_p4(store);
-      else warp_pairs<P>(r0, store);
-    });
-    if (more) warp_key_rows_async<T, D>(hd.v, p.sv.n, key0(kappa + 1), next_flags, xv_next);
-    else mma::cp_async_commit();
-    mma::cp_async_wait_prior<2>();  // the warp's v rows of this chunk
-    __syncthreads();
-    state_delta_rows<T, D>(s.phr, xv, acc);
+        for (int j = 0; j < R / 2; ++j)
+          mma::split2<T>(val[2 * j], val[2 * j + 1], hi[i * R / 2 + j], lo[i * R / 2 + j]);
+      });
+      __syncthreads();  // every warp is done with the previous chunk's phi(k) tile and v tile
+      dispatch_planes(p, [&](auto planes) {
+        constexpr int P = decltype(planes)::value, R = Items<P>::R;
+        const auto store = [&](int i, int r, int item) {
+          store_words<R>(phr + r * kT + item * R, hi + i * R / 2);
+          store_words<R>(phr + (kC + r) * kT + item * R, lo + i * R / 2);
+        };
+        if constexpr (P == 4) warp_pairs_p4(store);
+        else warp_pairs<P>(r0, store);
+      });
+      next_values();
+      mma::cp_async_wait_prior<2>();  // the warp's v rows of this chunk
+      __syncthreads();
+      state_delta_rows<T, D>(phr, xv, acc);
+    }
     flags = next_flags;
   }
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
+  scale_pow2<D>(acc, e_cur);
+  const int g = lane / 4, t = lane % 4, f0 = 16 * w;
   float* A = p.kstate + (hd.bh * (p.ngk + 1) + grp) * p.features * D;
   float* z = p.kz + (hd.bh * (p.ngk + 1) + grp) * p.features;
 #pragma unroll

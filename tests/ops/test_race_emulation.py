@@ -41,8 +41,12 @@ def emulated(lib):
     return run
 
 
-def check(lib, b, hq, hkv, nq, nk, d, *, causal, dtype=torch.float16, tables=4, planes_per_table=4, mask=None):
+def check(lib, b, hq, hkv, nq, nk, d, *, causal, dtype=torch.float16, tables=4, planes_per_table=4, mask=None,
+          v_scale=None):
+    """v_scale: a factor per key (Nk,) that v is multiplied by (in float32, before the cast to dtype)."""
     q, k, v = cpu_inputs(b, hq, hkv, nq, nk, d, dtype=dtype)
+    if v_scale is not None:
+        v = (v.float() * v_scale[:, None]).to(dtype)
     planes = make_planes(tables, planes_per_table, d, device="cpu")
     check_against_oracle(q, k, v, planes, per_head_beta(hq, d, device="cpu"), causal=causal, mask=mask,
                          run=emulated(lib))
@@ -82,3 +86,13 @@ def test_non_causal_feature_shapes_with_padding(emulator, d, tables, planes_per_
     # items of 2, 8 and 16 features per row (the warps' feature stores), Nq != Nk, key padding
     check(emulator, 2, 2, 1, 90, 150, d, causal=False, dtype=dtype, tables=tables, planes_per_table=planes_per_table,
           mask=make_padding(2, 150, seed=5))
+
+
+@pytest.mark.parametrize("factors, nk", [((1e-4,), 192), ((3e5,), 192), ((1.0, 7e4), 150), ((7e4, 1e-3, 1.0), 150)],
+                         ids=["tiny", "huge", "normal-huge", "huge-small-normal"])
+def test_key_state_exponents_of_bfloat16_values(emulator, factors, nk):
+    # the forward's group states take bf16 v as fp16 v 2^-e per warp's 16 rows: e < 0 (tiny), e > 0 (beyond fp16;
+    # both to the last k-step, so the sums leave the kernel rescaled), and the accumulators rescaled between k-steps
+    # whose exponents differ (factors cycled per 16 keys; the zero rows past Nk = 150 have e = 0)
+    per_block = torch.tensor(factors, dtype=torch.float32)[torch.arange(nk) // 16 % len(factors)]
+    check(emulator, 1, 2, 1, 90, nk, 64, causal=False, dtype=torch.bfloat16, v_scale=per_block)

@@ -66,7 +66,7 @@ bool scan(float* state, float* z, int n, int d, const Params& p, int b, ScanMode
   });
 }
 
-template <typename T, int D>
+template <typename T, int D, bool HALF>
 bool tc_key_states(Params& p, int b, vector<float>& state, vector<float>& z) {
   p.ngk = div_up(p.nkc, tc::kGroup);
   p.ngq = div_up(p.nqt, tc::kGroup);
@@ -74,7 +74,7 @@ bool tc_key_states(Params& p, int b, vector<float>& state, vector<float>& z) {
   z.assign(static_cast<size_t>(b) * p.hq * (p.ngk + 1) * p.features, NAN);
   p.kstate = state.data();
   p.kz = z.data();
-  return emu::launch(dim3(p.ngk, p.hq, b), tc::kThreads, [&] { tc::race_group_state_fwd_kernel<T, D>(p); }) &&
+  return emu::launch(dim3(p.ngk, p.hq, b), tc::kThreads, [&] { tc::race_group_state_fwd_kernel<T, D, HALF>(p); }) &&
          scan(p.kstate, p.kz, p.ngk, D, p, b, p.causal ? kPrefix : kTotal);
 }
 
@@ -94,7 +94,7 @@ bool forward(Params& p, int b, bool tc_path) {
   vector<float> state, z;
   if constexpr (!std::is_same_v<T, float>) {
     if (tc_path) {
-      if (!tc_key_states<T, D>(p, b, state, z)) return false;
+      if (!tc_key_states<T, D, true>(p, b, state, z)) return false;
       const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
       if (p.causal)
         return emu::launch(dim3(blocks, p.hq, b), tc::kThreads, [&] { tc::race_group_out_fwd_kernel<T, D>(p); });
@@ -111,7 +111,7 @@ bool backward(Params& p, int b, int hkv, bool tc_path) {
   bool dq_done = false;
   if constexpr (!std::is_same_v<T, float>) {
     if (tc_path) {
-      if (!tc_key_states<T, D>(p, b, state, z)) return false;
+      if (!tc_key_states<T, D, false>(p, b, state, z)) return false;
       const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
       if (!emu::launch(dim3(blocks, p.hq, b), tc::kThreads, [&] { tc::race_group_dq_bwd_kernel<T, D, true>(p); }))
         return false;
