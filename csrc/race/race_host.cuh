@@ -212,7 +212,7 @@ void tc_key_states(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz
   p.kz = gz.data_ptr<float>();
   const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
   launch_bytes(op, tc::race_group_state_fwd_kernel<T, D, HALF>, dim3(p.ngk, h, b), tc::kThreads,
-               tc::Tiles<T, D>::key_states_bytes, p, device, stream);
+               tc::Tiles<T, D>::key_states_bytes_for(p.planes_per_table), p, device, stream);
   const int elems = p.features * D + p.features;
   race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), h, b), kThreads, 0, stream>>>(
       p.kstate, p.kz, p.ngk, p.features * D, p.features, p.hq, p.causal ? kPrefix : kTotal);

@@ -50,9 +50,10 @@ struct Tiles {
   static constexpr int st_off = ok_off + 2 * kC * 4;                // flags of query rows, key rows
   static constexpr int bytes = st_off + kS * kX * 4;                // fp32 state [feature][d], column D = z
   // Kernels that use part of the tiles pack them below the ones they skip (fewer bytes: more blocks per SM):
-  // kKeyStates (race_group_state_fwd_kernel): x, w, the sigma tables, then two fp16 phi(k) tiles (phk: [key][feature],
-  // the second kC kT after the first) at phq_off, two v tiles xv (row-major; fp16 once a warp has converted its rows,
-  // column D = 1: the z column) and the two tiles' exponents ve (int [2][4]: one per warp's 16 rows).
+  // kKeyStates (race_group_state_fwd_kernel): x, w, then two phi(k) tiles (phk: [key][feature], the second kC kT after
+  // the first; fp16, or hi and lo in T), two v tiles xv (row-major; fp16 once a warp has converted its rows, column
+  // D = 1: the z column), the two tiles' exponents ve (int [2][4]: one per warp's 16 rows) and last the sigma tables,
+  // left out of the launch size where P = 4 (key_states_bytes_for).
   // kQueryOut (race_query_out_fwd_kernel): x, w, the sigma tables, phq, then the state in fp16 (sth: [feature][d],
   // z in column D) at phk_off and the output rows (ot: [64][D + 8], T) after it.
   // kCausalOut (the causal race_group_out_fwd_kernel): every tile, a second x tile (xk, at `bytes`) for the key
@@ -63,12 +64,18 @@ struct Tiles {
   enum class Use { kAll, kKeyStates, kQueryOut, kCausalOut };
   static constexpr bool causal_stages_v = D <= 64;
   static constexpr int causal_out_bytes = bytes + (causal_stages_v ? 2 : 1) * x_bytes;
-  static constexpr int ks_xv_off = phq_off + 2 * kC * kT * 2;
+  static constexpr int ks_phk_off = sp_off;
+  static constexpr int ks_xv_off = ks_phk_off + 2 * kC * kT * 2;
   static constexpr int ks_ve_off = ks_xv_off + 2 * x_bytes;
-  static constexpr int key_states_bytes = ks_ve_off + 2 * kThreads / 32 * 4;
+  static constexpr int ks_sp_off = ks_ve_off + 2 * kThreads / 32 * 4;
+  static constexpr int key_states_bytes = ks_sp_off + 2 * table_bytes;
+  // kKeyStates' launch size: without the sigma tables where P = 4 (project_features_p4 maps from registers)
+  static __host__ __device__ int key_states_bytes_for(int planes_per_table) {
+    return planes_per_table == 4 ? ks_sp_off : key_states_bytes;
+  }
   static constexpr int qo_ot_off = phk_off + kS * kX * 2;
   static constexpr int query_out_bytes = qo_ot_off + x_bytes;
-  static_assert(ks_xv_off % 16 == 0 && qo_ot_off % 16 == 0 && st_off % 16 == 0 &&
+  static_assert(ks_xv_off % 16 == 0 && ks_sp_off % 16 == 0 && qo_ot_off % 16 == 0 && st_off % 16 == 0 &&
                 bytes % 16 == 0 && x_bytes % 16 == 0, "16-byte aligned tiles");
   static_assert(w_off % 16 == 0 && phq_off % 16 == 0 && phk_off % 16 == 0 && pkt_off % 16 == 0 && vt_off % 16 == 0 &&
                 kX % 8 == 0 && kT % 8 == 0, "ldmatrix: every row of the 16-bit tiles 16-byte aligned");
@@ -86,11 +93,11 @@ struct Tiles {
       : x(reinterpret_cast<T*>(base)),
         xk(use == Use::kCausalOut ? reinterpret_cast<T*>(base + bytes) : x),
         w(reinterpret_cast<T*>(base + w_off)),
-        sp(reinterpret_cast<float*>(base + sp_off)),
+        sp(reinterpret_cast<float*>(base + (use == Use::kKeyStates ? ks_sp_off : sp_off))),
         sm(sp + kC * kLPMax),
         prefetch(use != Use::kAll) {
     if (use == Use::kKeyStates) {
-      phk = reinterpret_cast<__half*>(base + phq_off);
+      phk = reinterpret_cast<__half*>(base + ks_phk_off);
       xv = reinterpret_cast<T*>(base + ks_xv_off);
       ve = reinterpret_cast<int*>(base + ks_ve_off);
     } else if (use == Use::kQueryOut) {
@@ -624,7 +631,7 @@ __device__ __forceinline__ void state_delta_half(const __half* phk, const __half
 // phi(k) split in two T halves times v in T, one phi tile and two barriers per chunk: before the halves overwrite the
 // tile that the previous chunk's products read, and before this chunk's products.
 template <typename T, int D, bool HALF = true>
-__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) race_group_state_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, D <= 64 ? (HALF ? 4 : 3) : 2) race_group_state_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
   Tiles<T, D> s(smem_raw, Tiles<T, D>::Use::kKeyStates);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
