@@ -517,7 +517,7 @@ template <int D>
 __device__ __forceinline__ void scale_pow2(float (&acc)[D / 8 + 1][4], int d) {
   while (d != 0) {
     const int step = d < -126 ? -126 : (d > 126 ? 126 : d);
-    const float f = __int_as_float((127 + step) << 23);
+    const float f = pow2f(step);
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
 #pragma unroll
@@ -560,10 +560,8 @@ __device__ __forceinline__ int warp_rows_to_half(T* xv) {
         m = fmaxf(m, fmaxf(fabsf(x.x), fabsf(x.y)));
       }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    const int e = v_exponent(m);
-    const float f = __int_as_float((127 - e) << 23);  // 2^-e, exact products
+    const int e = v_exponent(warp_fmax(m));
+    const float f = pow2f(-e);  // exact products
     const auto half_word = [f](uint32_t w) {
       const float2 x = mma::unpack2<T>(w);
       return mma::pack2<__half>(x.x * f, x.y * f);
@@ -928,15 +926,14 @@ __device__ void stage_state_fp16(const Params& p, long long bh, Tiles<T, D>& s) 
   }
   const float z = threadIdx.x < p.features ? zs[threadIdx.x] : 0.f;
   m = fmaxf(m, fabsf(z));
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  m = warp_fmax(m);
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = m;
   __syncthreads();
 #pragma unroll
   for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
   const int biased = static_cast<int>(__float_as_uint(m) >> 23) & 0xff;  // m = f 2^(biased - 126), f in [0.5, 1)
   const int e = m > 0.f && biased < 255 ? min(141 - biased, 126) : 0;
-  const float scale = __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
+  const float scale = pow2f(e);
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
     const int el = threadIdx.x + i * kThreads, f = el / kQuads, c = el % kQuads;
