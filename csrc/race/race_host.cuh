@@ -181,6 +181,14 @@ inline bool causal_prefetch(const c10::Device& device, int bytes) {
   return enabled && bytes <= shared_memory_limit(device);
 }
 
+// The causal forward's out kernel: per warp (race_causal_out_fwd_kernel: one block barrier per chunk, fp16 operands
+// with powers of two) where the GPU has its shared memory per block; otherwise, or with HFAB_RACE_WARP_CAUSAL=0 (for
+// comparison and testing), the block-wide race_group_out_fwd_kernel.
+inline bool warp_causal_out(const c10::Device& device, int bytes) {
+  static const bool enabled = !env_is("HFAB_RACE_WARP_CAUSAL", "0");
+  return enabled && bytes <= shared_memory_limit(device);
+}
+
 inline bool tc_backward_applies(const at::Tensor& q, const Params& p, const c10::Device& device) {
   return tensor_core_backward_enabled() &&
          tc_applies(q, p, device, [](auto dim) { return tc::BwdTiles<__half, decltype(dim)::value>::bytes; });
@@ -226,7 +234,11 @@ void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, c
   tc_key_states<T, D>(op, p, gstate, gz, f32, batch, device, stream);
   const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
   const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
-  if (p.causal && causal_prefetch(device, tc::Tiles<T, D>::causal_out_bytes))
+  const int warp_bytes = tc::Tiles<T, D>::causal_warp_bytes_for(p.planes_per_table);
+  if (p.causal && warp_causal_out(device, warp_bytes))
+    launch_bytes(op, tc::race_causal_out_fwd_kernel<T, D>, dim3(blocks, h, b), tc::kThreads, warp_bytes, p, device,
+                 stream);
+  else if (p.causal && causal_prefetch(device, tc::Tiles<T, D>::causal_out_bytes))
     launch_bytes(op, tc::race_group_out_fwd_kernel<T, D>, dim3(blocks, h, b), tc::kThreads,
                  tc::Tiles<T, D>::causal_out_bytes, p, device, stream);
   else if (p.causal)  // e.g. 99 KB per block (sm_86, sm_89) at D = 64: the tiles without the prefetch ones

@@ -61,7 +61,10 @@ struct Tiles {
   // sm_80 has room (D <= 64) a tile xv for the next chunk's v rows (row-major; key_chunk transposes it into vt).
   // kKeyStates has xv too. Every layout but kAll (the backward kernels, and the causal out kernel on GPUs with
   // less shared memory per block than causal_out_bytes) prefetches its next rows: `prefetch`.
-  enum class Use { kAll, kKeyStates, kQueryOut, kCausalOut };
+  // kCausalWarp (race_causal_out_fwd_kernel): x (query rows), w, then xk (key rows), phq, two phk tiles, two xv tiles,
+  // two staged states sth ([feature][d] fp16, z in column D), ot, the exponents (ints: ve [2][4], then se [2][4][2]:
+  // the staged states' num and den exponents per warp) and last the sigma tables, left out where P = 4.
+  enum class Use { kAll, kKeyStates, kQueryOut, kCausalOut, kCausalWarp };
   static constexpr bool causal_stages_v = D <= 64;
   static constexpr int causal_out_bytes = bytes + (causal_stages_v ? 2 : 1) * x_bytes;
   static constexpr int ks_phk_off = sp_off;
@@ -73,8 +76,23 @@ struct Tiles {
   static __host__ __device__ int key_states_bytes_for(int planes_per_table) {
     return planes_per_table == 4 ? ks_sp_off : key_states_bytes;
   }
+  static constexpr int cw_xk_off = sp_off;
+  static constexpr int cw_phq_off = cw_xk_off + x_bytes;
+  static constexpr int cw_phk_off = cw_phq_off + kC * kT * 2;
+  static constexpr int cw_xv_off = cw_phk_off + 2 * kC * kT * 2;
+  static constexpr int cw_sth_off = cw_xv_off + 2 * x_bytes;
+  static constexpr int cw_ot_off = cw_sth_off + 2 * kS * kX * 2;
+  static constexpr int cw_ve_off = cw_ot_off + x_bytes;
+  static constexpr int cw_sp_off = cw_ve_off + 6 * kThreads / 32 * 4;
+  static constexpr int causal_warp_bytes = cw_sp_off + 2 * table_bytes;
+  // kCausalWarp's launch size: without the sigma tables where P = 4
+  static __host__ __device__ int causal_warp_bytes_for(int planes_per_table) {
+    return planes_per_table == 4 ? cw_sp_off : causal_warp_bytes;
+  }
   static constexpr int qo_ot_off = phk_off + kS * kX * 2;
   static constexpr int query_out_bytes = qo_ot_off + x_bytes;
+  static_assert(cw_phq_off % 16 == 0 && cw_xv_off % 16 == 0 && cw_sth_off % 16 == 0 && cw_ot_off % 16 == 0 &&
+                cw_sp_off % 16 == 0, "16-byte aligned tiles");
   static_assert(ks_xv_off % 16 == 0 && ks_sp_off % 16 == 0 && qo_ot_off % 16 == 0 && st_off % 16 == 0 &&
                 bytes % 16 == 0 && x_bytes % 16 == 0, "16-byte aligned tiles");
   static_assert(w_off % 16 == 0 && phq_off % 16 == 0 && phk_off % 16 == 0 && pkt_off % 16 == 0 && vt_off % 16 == 0 &&
@@ -86,17 +104,27 @@ struct Tiles {
   T* ot = nullptr;
   float *sp, *sm, *st = nullptr;
   __half *phq = nullptr, *phk = nullptr, *sth = nullptr;
-  int *okq = nullptr, *okk = nullptr, *ve = nullptr;
+  int *okq = nullptr, *okk = nullptr, *ve = nullptr, *se = nullptr;
   bool prefetch;
 
   __device__ explicit Tiles(char* base, Use use = Use::kAll)
       : x(reinterpret_cast<T*>(base)),
-        xk(use == Use::kCausalOut ? reinterpret_cast<T*>(base + bytes) : x),
+        xk(use == Use::kCausalOut ? reinterpret_cast<T*>(base + bytes)
+                                  : (use == Use::kCausalWarp ? reinterpret_cast<T*>(base + cw_xk_off) : x)),
         w(reinterpret_cast<T*>(base + w_off)),
-        sp(reinterpret_cast<float*>(base + (use == Use::kKeyStates ? ks_sp_off : sp_off))),
+        sp(reinterpret_cast<float*>(
+            base + (use == Use::kKeyStates ? ks_sp_off : (use == Use::kCausalWarp ? cw_sp_off : sp_off)))),
         sm(sp + kC * kLPMax),
         prefetch(use != Use::kAll) {
-    if (use == Use::kKeyStates) {
+    if (use == Use::kCausalWarp) {
+      phq = reinterpret_cast<__half*>(base + cw_phq_off);
+      phk = reinterpret_cast<__half*>(base + cw_phk_off);
+      xv = reinterpret_cast<T*>(base + cw_xv_off);
+      sth = reinterpret_cast<__half*>(base + cw_sth_off);
+      ot = reinterpret_cast<T*>(base + cw_ot_off);
+      ve = reinterpret_cast<int*>(base + cw_ve_off);
+      se = ve + 2 * kThreads / 32;
+    } else if (use == Use::kKeyStates) {
       phk = reinterpret_cast<__half*>(base + ks_phk_off);
       xv = reinterpret_cast<T*>(base + ks_xv_off);
       ve = reinterpret_cast<int*>(base + ks_ve_off);
@@ -467,17 +495,18 @@ __device__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa,
   __syncthreads();
 }
 
-// The warp's 16 rows 16w.. of x (s.x) projected and mapped to features: fn(i, r, item, val) for each of the warp's
-// (row, item) pairs i, val the item's Items<P>::R features (project_features_p4 where P = 4; else project into the
-// sigma tables and warp_pairs); after_reads() once the warp's reads of s.x are done; rows with ok(r) false give zeros.
+// The warp's 16 rows 16w.. of the [64][D + 8] tile x projected and mapped to features: fn(i, r, item, val) for each
+// of the warp's (row, item) pairs i, val the item's Items<P>::R features (project_features_p4 where P = 4; else project
+// into the sigma tables and warp_pairs); after_reads() once the warp's reads of x are done; rows with ok(r) false give
+// zeros.
 template <typename T, int D, typename After, typename Ok, typename Fn>
-__device__ __forceinline__ void warp_features(const Params& p, Tiles<T, D>& s, float beta, After&& after_reads, Ok&& ok,
-                                              Fn&& fn) {
+__device__ __forceinline__ void warp_features(const Params& p, Tiles<T, D>& s, const T* x, float beta,
+                                              After&& after_reads, Ok&& ok, Fn&& fn) {
   if (p.planes_per_table == 4) {
-    project_features_p4<T, D>(p, s.x, s.w, beta, after_reads, ok, fn);
+    project_features_p4<T, D>(p, x, s.w, beta, after_reads, ok, fn);
     return;
   }
-  project<T, D>(p, s.x, s.w, beta, s.sp, s.sm);
+  project<T, D>(p, x, s.w, beta, s.sp, s.sm);
   __syncwarp();  // the warp's x rows read, its sigma tables written
   after_reads();
   const int r0 = (threadIdx.x / 32) * 16;
@@ -512,14 +541,15 @@ __device__ __forceinline__ void warp_key_rows_async(const T* x, long long stride
                                         [flags](int r) { return ((flags >> r) & 1u) != 0; });
 }
 
-// acc[n] (n < D / 8) *= 2^d, in steps that stay normal fp32 factors (the exponents of two v tiles can be ~240 apart).
-template <int D>
+// acc[n] (N0 <= n < N1: by default the v columns n < D / 8, not z's) *= 2^d, in steps that stay normal fp32 factors
+// (the exponents of two v tiles can be ~240 apart).
+template <int D, int N0 = 0, int N1 = D / 8>
 __device__ __forceinline__ void scale_pow2(float (&acc)[D / 8 + 1][4], int d) {
   while (d != 0) {
     const int step = d < -126 ? -126 : (d > 126 ? 126 : d);
     const float f = pow2f(step);
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
+    for (int n = N0; n < N1; ++n)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[n][i] *= f;
     d -= step;
@@ -620,6 +650,16 @@ __device__ __forceinline__ void state_delta_half(const __half* phk, const __half
   }
 }
 
+// fn(f, half) for the state rows f = 16w + g + 8 half < p.features (half = 0, 1) whose values acc[n][2 half],
+// acc[n][2 half + 1] this lane holds: the C layout of the warp's 16 rows of a [feature][d] state, z in column D.
+template <typename Fn>
+__device__ __forceinline__ void for_each_state_row(const Params& p, Fn&& fn) {
+  const int f0 = (threadIdx.x / 32) * 16 + (threadIdx.x % 32) / 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+    if (f0 + 8 * half < p.features) fn(f0 + 8 * half, half);
+}
+
 // Per (key-chunk group, q head, batch): the group's sum_j phi(k_j) [v_j, 1]^T into slot grp of p.kstate, p.kz, with
 // fp32 sums. Each warp loads (cp.async), projects and maps its 16 rows of every chunk on its own; the k rows of chunk
 // kappa + 1 load from the warp's projection of chunk kappa on, its v rows (the other v tile) from the chunk's last
@@ -666,7 +706,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (HALF ? 4 : 3) : 2) race_g
     if constexpr (HALF) {
       __half* phk = s.phk + buf * kC * kT;
       int* ve = s.ve + buf * kThreads / 32;
-      warp_features<T, D>(p, s, hd.beta, next_keys, ok, [&](int, int r, int item, const auto& val) {
+      warp_features<T, D>(p, s, s.x, hd.beta, next_keys, ok, [&](int, int r, int item, const auto& val) {
         constexpr int R = sizeof(val) / sizeof(val[0]);
         store_halves<R>(phk + r * kT + item * R, val);
       });
@@ -680,7 +720,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (HALF ? 4 : 3) : 2) race_g
     } else {
       T* phr = reinterpret_cast<T*>(s.phk);  // hi [key][feature], lo kC kT after
       uint32_t hi[16], lo[16];  // the warp's phi(k) values in T halves: 16 rows x 64 features / 32 lanes / 2 per word
-      warp_features<T, D>(p, s, hd.beta, next_keys, ok, [&](int i, int, int, const auto& val) {
+      warp_features<T, D>(p, s, s.x, hd.beta, next_keys, ok, [&](int i, int, int, const auto& val) {
         constexpr int R = sizeof(val) / sizeof(val[0]);
 #pragma unroll
         for (int j = 0; j < R / 2; ++j)
@@ -704,18 +744,15 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (HALF ? 4 : 3) : 2) race_g
     flags = next_flags;
   }
   scale_pow2<D>(acc, e_cur);
-  const int g = lane / 4, t = lane % 4, f0 = 16 * w;
+  const int t = lane % 4;
   float* A = p.kstate + (hd.bh * (p.ngk + 1) + grp) * p.features * D;
   float* z = p.kz + (hd.bh * (p.ngk + 1) + grp) * p.features;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int f = f0 + g + 8 * half;
-    if (f >= p.features) continue;
+  for_each_state_row(p, [&](int f, int half) {
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
       *reinterpret_cast<float2*>(A + (long long)f * D + n * 8 + 2 * t) = make_float2(acc[n][2 * half], acc[n][2 * half + 1]);
     if (t == 0) z[f] = acc[D / 8][2 * half];
-  }
+  });
 }
 
 // sc[n] += a b^T over the kS features: the warp's 16 rows of a times rows [8n, 8n + 8) of b (fp16 [64][kT] tiles).
@@ -905,6 +942,13 @@ __device__ __forceinline__ void advance_state(Tiles<T, D>& s) {
   }
 }
 
+// The e that puts m 2^e in [2^14, 2^15) (at most 126; 0 where m is 0 or not finite): values up to m times 2^e are
+// within fp16's range, at 11 significant bits down to 2^-28 m.
+__device__ __forceinline__ int fp16_stage_exponent(float m) {
+  const int biased = static_cast<int>(__float_as_uint(m) >> 23) & 0xff;  // m = f 2^(biased - 126), f in [0.5, 1)
+  return m > 0.f && biased < 255 ? min(141 - biased, 126) : 0;
+}
+
 // The total key state (slot p.ngk of (b, h)) into s.sth in fp16 ([feature][d], z in column D, zeros elsewhere),
 // every value times one power of two 2^e for the block: max |value| 2^e in [2^14, 2^15) keeps the values within
 // fp16's range and at 11 significant bits (tf32's) down to 2^-28 of the largest (e = 0 when the largest is 0 or not
@@ -931,9 +975,7 @@ __device__ void stage_state_fp16(const Params& p, long long bh, Tiles<T, D>& s) 
   __syncthreads();
 #pragma unroll
   for (int w = 0; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
-  const int biased = static_cast<int>(__float_as_uint(m) >> 23) & 0xff;  // m = f 2^(biased - 126), f in [0.5, 1)
-  const int e = m > 0.f && biased < 255 ? min(141 - biased, 126) : 0;
-  const float scale = pow2f(e);
+  const float scale = pow2f(fp16_stage_exponent(m));
 #pragma unroll
   for (int i = 0; i < kIters; ++i) {
     const int el = threadIdx.x + i * kThreads, f = el / kQuads, c = el % kQuads;
@@ -1009,7 +1051,7 @@ __global__ void __launch_bounds__(kThreads, 1) race_query_out_fwd_kernel(const P
     const auto next_queries = [&] {  // once the warp's x rows are read
       if (m + 1 < end) warp_query_rows_async<T, D>(p, hd, m + 1, s);
     };
-    warp_features<T, D>(p, s, hd.beta, next_queries, [&](int r) { return m * kC + r < p.nq; },
+    warp_features<T, D>(p, s, s.x, hd.beta, next_queries, [&](int r) { return m * kC + r < p.nq; },
                         [&](int, int r, int item, const auto& val) {
                           constexpr int R = sizeof(val) / sizeof(val[0]);
                           store_halves<R>(s.phq + r * kT + item * R, val);
@@ -1049,6 +1091,226 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_out_fwd_kernel(const P
     if (kappa + 1 == end) break;
     __syncthreads();  // every warp has read the state
     advance_state<T, D>(s);
+  }
+}
+
+// The warp's 16 rows of key-state slot `slot` of (b, h) (fp32 [A, z], as race_group_state_fwd_kernel writes them) into
+// acc in the C layout, zeros past the features.
+template <int D>
+__device__ __forceinline__ void load_warp_state(const Params& p, long long bh, int slot, float (&acc)[D / 8 + 1][4]) {
+  const int t = threadIdx.x % 4;
+  const float* A = p.kstate + (bh * (p.ngk + 1) + slot) * p.features * D;
+  const float* z = p.kz + (bh * (p.ngk + 1) + slot) * p.features;
+#pragma unroll
+  for (int n = 0; n < D / 8 + 1; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+  for_each_state_row(p, [&](int f, int half) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const float2 a = *reinterpret_cast<const float2*>(A + (long long)f * D + n * 8 + 2 * t);
+      acc[n][2 * half] = a.x;
+      acc[n][2 * half + 1] = a.y;
+    }
+    if (t == 0) acc[D / 8][2 * half] = z[f];
+  });
+}
+
+// The warp's 16 rows of the running state (acc: the v columns times 2^-e_s, z in column D as it is) into its rows of
+// sth ([feature][d] fp16, z in column D), as stage_state_fp16 stages the total state but with one power of two for
+// the v columns and one for z per warp: se[2w], se[2w + 1] the exponents e with staged = value 2^-e (the convention
+// of state_delta_half's e_cur).
+template <int D>
+__device__ __forceinline__ void stage_warp_state(const float (&acc)[D / 8 + 1][4], int e_s, __half* sth, int* se) {
+  constexpr int kX = D + 8;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, w = threadIdx.x / 32;
+  float mv = 0.f, mz = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) mv = fmaxf(mv, fabsf(acc[n][i]));
+    mz = fmaxf(mz, fabsf(acc[D / 8][i]));
+  }
+  const int xv = fp16_stage_exponent(warp_fmax(mv)), xz = fp16_stage_exponent(warp_fmax(mz));
+  const float fv = pow2f(xv), fz = pow2f(xz);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    __half* row = sth + (16 * w + g + 8 * half) * kX + 2 * t;
+#pragma unroll
+    for (int n = 0; n < D / 8 + 1; ++n) {
+      const float f = n < D / 8 ? fv : fz;
+      *reinterpret_cast<uint32_t*>(row + 8 * n) = mma::pack2<__half>(acc[n][2 * half] * f, acc[n][2 * half + 1] * f);
+    }
+  }
+  if (lane == 0) {
+    se[2 * w] = e_s - xv;
+    se[2 * w + 1] = -xz;
+  }
+}
+
+// out rows row0 + 16w.. of the query tile whose diagonal is in the chunk of phk / xv / ve (fp16 phi(k) [key][feature];
+// fp16 v 2^-ve[kk] per 16 keys kk, column D = 1): [num, den] = (phi(q) phi(k)^T masked to j <= i) [v, 1] + phi(q) [A, z]
+// of the staged state sth / se (stage_warp_state), then num / den (store_out_rows). The chunk's product first: the
+// warp's scores against keys 0 .. 16w + 15 (the later ones are masked), each row times the power of two 2^r that puts
+// its largest score in [2^14, 2^15), rounded to fp16 (the A operand), and 2^r taken out of the row's fp32 sums after.
+// Then the state's k-steps kk (features 16kk.., staged by warp kk). num (n < D / 8) and den (n = D / 8) are each held
+// times a warp-uniform power of two that follows the operands' exponents (scale_pow2), as in state_delta_half.
+template <typename T, int D>
+__device__ __forceinline__ void warp_causal_out(const Params& p, const Tiles<T, D>& s, const __half* phk,
+                                                const __half* xv, const int* ve, const __half* sth, const int* se,
+                                                int row0, T* out) {
+  constexpr int kN = D / 8 + 1;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, w = threadIdx.x / 32, r0 = 16 * w;
+  float sc[kC / 8][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < kS / 16; ++kk) {
+    uint32_t a[4];
+    mma::load_a(a, s.phq, kT, r0, kk * 16, lane);
+    mma::for_each_b<kC / 8>(phk, kT, kk * 16, 2 * w + 2, lane,
+                            [&](int n, const uint32_t (&b)[2]) { mma::m16n8k16(sc[n], a, b, __half{}); });
+  }
+  float mx[2] = {0.f, 0.f};  // rows g, g + 8 (scores are >= 0)
+#pragma unroll
+  for (int n = 0; n < kC / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (8 * n + 2 * t + (e & 1) > r0 + g + 8 * (e / 2)) sc[n][e] = 0.f;
+      mx[e / 2] = fmaxf(mx[e / 2], sc[n][e]);
+    }
+  float up[2], down[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float m = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const int r = fp16_stage_exponent(m);  // 11 .. 126: scores are at most L
+    up[half] = pow2f(r);
+    down[half] = pow2f(-r);
+  }
+  float acc[kN][4] = {};
+  int e_num = ve[0];  // acc[n < D / 8] holds num 2^-e_num
+#pragma unroll
+  for (int kk = 0; kk < kC / 16; ++kk) {
+    if (kk > w) continue;
+    const int e = ve[kk];
+    if (e != e_num) {
+      scale_pow2<D>(acc, e_num - e);
+      e_num = e;
+    }
+    uint32_t a[4];  // register r: n-tile 2 kk + r / 2, row half r % 2 (split_a's layout)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float(&c)[4] = sc[2 * kk + r / 2];
+      a[r] = mma::pack2<__half>(c[2 * (r % 2)] * up[r % 2], c[2 * (r % 2) + 1] * up[r % 2]);
+    }
+    mma::for_each_b_trans<kN>(xv, D + 8, kk * 16, lane,
+                              [&](int n, const uint32_t (&b)[2]) { mma::m16n8k16(acc[n], a, b, __half{}); });
+  }
+#pragma unroll
+  for (int n = 0; n < kN; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] *= down[e / 2];
+  int e_den = 0;  // acc[D / 8] holds den 2^-e_den
+#pragma unroll
+  for (int kk = 0; kk < kS / 16; ++kk) {
+    const int en = se[2 * kk], ed = se[2 * kk + 1];
+    if (en != e_num) {
+      scale_pow2<D>(acc, e_num - en);
+      e_num = en;
+    }
+    if (ed != e_den) {
+      scale_pow2<D, D / 8, D / 8 + 1>(acc, e_den - ed);
+      e_den = ed;
+    }
+    uint32_t a[4];
+    mma::load_a(a, s.phq, kT, r0, kk * 16, lane);
+    mma::for_each_b_trans<kN>(sth, D + 8, kk * 16, lane,
+                              [&](int n, const uint32_t (&b)[2]) { mma::m16n8k16(acc[n], a, b, __half{}); });
+  }
+  scale_pow2<D>(acc, e_num);
+  scale_pow2<D, D / 8, D / 8 + 1>(acc, e_den);
+  store_out_rows<T, D>(p, acc, row0, s.ot, out);
+}
+
+// Causal, per (key-chunk group, q head, batch), each warp on its own rows: warp w loads (cp.async, a chunk ahead) and
+// maps rows 16w.. of every chunk's keys and of its query tile (phi(k), phi(q) in fp16 into its rows of phk and phq),
+// converts its v rows to fp16 2^-e (warp_rows_to_half) and holds features 16w.. of the running state [A, z] in fp32
+// registers (from the group's prefix, slot grp). Per chunk: the warp stages its state rows in fp16 (stage_warp_state),
+// one block barrier, the v rows of the next chunk start loading, each warp writes its 16 out rows of the chunk's query
+// tile (warp_causal_out) and adds the chunk's phi(k)^T [v, 1] to its state rows (state_delta_half). phk, xv, sth and
+// the exponents are double-buffered (chunk parity), so one barrier per chunk orders every reuse.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1) race_causal_out_fwd_kernel(const Params p) {
+  extern __shared__ __align__(16) char smem_raw[];
+  Tiles<T, D> s(smem_raw, Tiles<T, D>::Use::kCausalWarp);
+  const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const Heads<T> hd(p, h, b);
+  T* out = static_cast<T*>(p.out) + hd.bh * p.nq * D;
+  const int first = grp * kGroup, end = min(p.nkc, first + kGroup), lane = threadIdx.x % 32, w = threadIdx.x / 32;
+  const int r0 = 16 * w;
+  if (end - 1 < p.kappa0) return;  // only keys before the first query: no tile to write
+  const auto key0 = [&p](int kappa) { return p.s0 + kappa * kC; };
+  const auto queries = [&](int kappa) {  // the warp's rows of chunk kappa's query tile, or an empty group
+    if (kappa >= p.kappa0) warp_query_rows_async<T, D>(p, hd, kappa - p.kappa0, s);
+    else mma::cp_async_commit();
+  };
+  unsigned flags = warp_flags(lane_key_ok(p, b, key0(first) + r0));  // the warp's key rows of chunk kappa
+  warp_key_rows_async<T, D>(hd.k, p.sk.n, key0(first), flags, s.xk);  // groups per chunk: keys, queries, values
+  queries(first);
+  warp_key_rows_async<T, D>(hd.v, p.sv.n, key0(first), flags, s.xv);
+  init_constants<T, D, __half>(p, s);
+  float st[D / 8 + 1][4];
+  load_warp_state<D>(p, hd.bh, grp, st);
+  int e_s = 0;  // st[n < D / 8] holds the state's v columns times 2^-e_s
+  __syncthreads();
+  for (int kappa = first; kappa < end; ++kappa) {
+    const int m = kappa - p.kappa0, buf = (kappa - first) & 1;
+    const bool more = kappa + 1 < end;
+    __half* phk = s.phk + buf * kC * kT;
+    T* xv = s.xv + buf * kC * (D + 8);
+    T* xv_next = s.xv + (buf ^ 1) * kC * (D + 8);
+    int* ve = s.ve + buf * kThreads / 32;
+    __half* sth = s.sth + buf * kS * (D + 8);
+    int* se = s.se + buf * 2 * kThreads / 32;
+    const bool next_flag = lane_key_ok(p, b, key0(kappa + 1) + r0);  // false past the keys
+    unsigned next_flags = 0;
+    const auto store_to = [](__half* phi) {
+      return [phi](int, int r, int item, const auto& val) {
+        constexpr int R = sizeof(val) / sizeof(val[0]);
+        store_halves<R>(phi + r * kT + item * R, val);
+      };
+    };
+    mma::cp_async_wait_prior<2>();  // the warp's key rows of this chunk
+    __syncwarp();
+    const auto next_keys = [&] {  // once the warp's key rows are read
+      next_flags = warp_flags(next_flag);
+      if (more) warp_key_rows_async<T, D>(hd.k, p.sk.n, key0(kappa + 1), next_flags, s.xk);
+      else mma::cp_async_commit();  // an empty group: the waits count the same groups in every chunk
+    };
+    warp_features<T, D>(p, s, s.xk, hd.beta, next_keys,
+                        [flags, r0](int r) { return ((flags >> (r - r0)) & 1u) != 0; }, store_to(phk));
+    mma::cp_async_wait_prior<2>();  // the warp's query rows of this chunk
+    __syncwarp();
+    const auto next_queries = [&] {
+      if (more) queries(kappa + 1);
+      else mma::cp_async_commit();
+    };
+    if (m >= 0)
+      warp_features<T, D>(p, s, s.x, hd.beta, next_queries, [&](int r) { return m * kC + r < p.nq; },
+                          store_to(s.phq));
+    else
+      next_queries();
+    mma::cp_async_wait_prior<2>();  // the warp's v rows of this chunk
+    __syncwarp();
+    const int e = warp_rows_to_half<T, D>(xv);
+    if (lane == 0) ve[w] = e;
+    stage_warp_state<D>(st, e_s, sth, se);
+    __syncthreads();
+    if (more) warp_key_rows_async<T, D>(hd.v, p.sv.n, key0(kappa + 1), next_flags, xv_next);
+    else mma::cp_async_commit();
+    const __half* xvh = reinterpret_cast<const __half*>(xv);
+    if (m >= 0) warp_causal_out<T, D>(p, s, phk, xvh, ve, sth, se, m * kC, out);
+    if (more) state_delta_half<D>(phk, xvh, ve, st, e_s);
+    flags = next_flags;
   }
 }
 

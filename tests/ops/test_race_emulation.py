@@ -42,14 +42,15 @@ def emulated(lib):
 
 
 def check(lib, b, hq, hkv, nq, nk, d, *, causal, dtype=torch.float16, tables=4, planes_per_table=4, mask=None,
-          v_scale=None):
-    """v_scale: a factor per key (Nk,) that v is multiplied by (in float32, before the cast to dtype)."""
+          v_scale=None, beta_mult=1.0):
+    """v_scale: a factor per key (Nk,) that v is multiplied by (in float32, before the cast to dtype). Returns out and
+    the gradients."""
     q, k, v = cpu_inputs(b, hq, hkv, nq, nk, d, dtype=dtype)
     if v_scale is not None:
         v = (v.float() * v_scale[:, None]).to(dtype)
     planes = make_planes(tables, planes_per_table, d, device="cpu")
-    check_against_oracle(q, k, v, planes, per_head_beta(hq, d, device="cpu"), causal=causal, mask=mask,
-                         run=emulated(lib))
+    return check_against_oracle(q, k, v, planes, per_head_beta(hq, d, mult=beta_mult, device="cpu"), causal=causal,
+                                mask=mask, run=emulated(lib))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -88,11 +89,31 @@ def test_non_causal_feature_shapes_with_padding(emulator, d, tables, planes_per_
           mask=make_padding(2, 150, seed=5))
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("factors, nk", [((1e-4,), 192), ((3e5,), 192), ((1.0, 7e4), 150), ((7e4, 1e-3, 1.0), 150)],
                          ids=["tiny", "huge", "normal-huge", "huge-small-normal"])
-def test_key_state_exponents_of_bfloat16_values(emulator, factors, nk):
+def test_key_state_exponents_of_bfloat16_values(emulator, factors, nk, causal):
     # the forward's group states take bf16 v as fp16 v 2^-e per warp's 16 rows: e < 0 (tiny), e > 0 (beyond fp16;
     # both to the last k-step, so the sums leave the kernel rescaled), and the accumulators rescaled between k-steps
-    # whose exponents differ (factors cycled per 16 keys; the zero rows past Nk = 150 have e = 0)
+    # whose exponents differ (factors cycled per 16 keys; the zero rows past Nk = 150 have e = 0); causal: the same v
+    # in the per-warp out kernel's chunk products and running state (stage_warp_state's exponents per warp)
     per_block = torch.tensor(factors, dtype=torch.float32)[torch.arange(nk) // 16 % len(factors)]
-    check(emulator, 1, 2, 1, 90, nk, 64, causal=False, dtype=torch.bfloat16, v_scale=per_block)
+    check(emulator, 1, 2, 1, 90, nk, 64, causal=causal, dtype=torch.bfloat16, v_scale=per_block)
+
+
+@pytest.mark.parametrize("beta_mult", [0.05, 8.0])
+def test_causal_out_scores_of_any_size(emulator, beta_mult):
+    # beta x 8: sharp corner probabilities, scores between a query and a key in other corners far below fp16's range
+    # (the per-warp out kernel rounds each score row times its own power of two to fp16); x 0.05: flat ones
+    check(emulator, 1, 2, 1, 200, 200, 64, causal=True, dtype=torch.bfloat16, beta_mult=beta_mult)
+
+
+@pytest.mark.parametrize("d, dtype", [(64, torch.float16), (128, torch.bfloat16)])
+def test_block_wide_causal_out_kernel(emulator, monkeypatch, d, dtype):
+    # HFAB_RACE_WARP_CAUSAL=0 selects the block-wide causal out kernel (GPUs with less shared memory per block run
+    # it): the same bounds, and other rounding than the per-warp kernel (so the switch did select it)
+    mask = make_padding(2, 150, seed=3)
+    warp_out, _ = check(emulator, 2, 2, 1, 150, 150, d, causal=True, dtype=dtype, mask=mask)
+    monkeypatch.setenv("HFAB_RACE_WARP_CAUSAL", "0")
+    block_out, _ = check(emulator, 2, 2, 1, 150, 150, d, causal=True, dtype=dtype, mask=mask)
+    assert not torch.equal(warp_out, block_out)

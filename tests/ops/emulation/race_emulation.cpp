@@ -1,9 +1,12 @@
 // The RACE kernels (csrc/race: the tensor-core kernels for fp16/bf16 with S = L 2^P <= 64, the CUDA-core kernels
 // for fp32) on the CPU through cuda_on_cpu.h and common/ptx.cuh of this folder, with the launch sequence of
 // csrc/race/race_fwd.cu, race_bwd.cu and race_bwd_launch.cuh on a GPU with 227 KB of shared memory per block (the
-// H200: every tensor-core layout fits, the causal out kernel prefetches). A C interface for ctypes
+// H200: every tensor-core layout fits, the causal out kernel is the per-warp one). A C interface for ctypes
 // (tests/ops/test_race_emulation.py); q, k, v, dout contiguous (B, H, N, D) of `dtype` (0 fp16, 1 bf16, 2 fp32),
 // planes (L P, D) and beta (Hq,) fp32, mask (B, Nk) bytes or null.
+#include <cstdlib>
+#include <string>
+
 #include "harness.h"
 
 namespace hfab {
@@ -89,6 +92,12 @@ bool key_states(Params& p, int b, vector<float>& state, vector<float>& z) {
          scan(p.kstate, p.kz, p.nkc, D, p, b, kPrefix);
 }
 
+// HFAB_RACE_WARP_CAUSAL=0 (read per call here): the block-wide causal out kernel, as on the GPU.
+bool block_causal_out() {
+  const char* v = std::getenv("HFAB_RACE_WARP_CAUSAL");
+  return v != nullptr && std::string(v) == "0";
+}
+
 template <typename T, int D>
 bool forward(Params& p, int b, bool tc_path) {
   vector<float> state, z;
@@ -97,7 +106,9 @@ bool forward(Params& p, int b, bool tc_path) {
       if (!tc_key_states<T, D, true>(p, b, state, z)) return false;
       const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
       if (p.causal)
-        return emu::launch(dim3(blocks, p.hq, b), tc::kThreads, [&] { tc::race_group_out_fwd_kernel<T, D>(p); });
+        return block_causal_out()
+                   ? emu::launch(dim3(blocks, p.hq, b), tc::kThreads, [&] { tc::race_group_out_fwd_kernel<T, D>(p); })
+                   : emu::launch(dim3(blocks, p.hq, b), tc::kThreads, [&] { tc::race_causal_out_fwd_kernel<T, D>(p); });
       return emu::launch(dim3(blocks, p.hq, b), tc::kThreads, [&] { tc::race_query_out_fwd_kernel<T, D>(p); });
     }
   }
