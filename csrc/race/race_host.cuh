@@ -207,9 +207,10 @@ inline int tc_query_groups(const Params& p) { return div_up(p.causal ? p.nkc : p
 
 // Group states of the tensor-core kernels: per group of tc::kGroup key chunks sum phi(k) [v, 1]^T, then their
 // exclusive prefix (causal) or their total alone (non-causal), slot ngk: the total. Sets p.ngk, p.ngq and p.kstate,
-// p.kz. q, k, v must be 16-byte vector readable (hfab::vector_readable) and p point at them. HALF: the forward's fp16
-// products (race_group_state_fwd_kernel); the backward takes the split ones.
-template <typename T, int D, bool HALF = true>
+// p.kz. q, k, v must be 16-byte vector readable (hfab::vector_readable) and p point at them. HALF: the fp16
+// products (race_group_state_fwd_kernel; the forward's for bf16 inputs, tc::kHalfStates); the backward takes the split
+// ones.
+template <typename T, int D, bool HALF = tc::kHalfStates<T>>
 void tc_key_states(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, const at::TensorOptions& f32,
                    int64_t batch, const c10::Device& device, cudaStream_t stream) {
   p.ngk = div_up(p.nkc, tc::kGroup);

@@ -103,7 +103,7 @@ bool forward(Params& p, int b, bool tc_path) {
   vector<float> state, z;
   if constexpr (!std::is_same_v<T, float>) {
     if (tc_path) {
-      if (!tc_key_states<T, D, true>(p, b, state, z)) return false;
+      if (!tc_key_states<T, D, tc::kHalfStates<T>>(p, b, state, z)) return false;
       const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
       if (p.causal)
         return block_causal_out()
