@@ -338,9 +338,9 @@ static __global__ void __launch_bounds__(kThreads) race_scan_fwd_kernel(float* s
   const bool is_state = e < sd;
   float* base = is_state ? state + bh * (n + 1) * sd + e : z + bh * (n + 1) * features + (e - sd);
   const long long step = is_state ? sd : features;
-  constexpr int kBatch = 8;  // slots are read 8 at a time before any of them is written: the loads overlap
+  constexpr int kBatch = 32;  // slots are read 32 at a time before any of them is written: the loads overlap
   float run = 0.f;
-  if (mode == kTotal) {  // no stores between the loads: 16 in flight
+  if (mode == kTotal) {  // no stores between the loads: 2 kBatch in flight
     for (int k0 = 0; k0 < n; k0 += 2 * kBatch) {
       float x[2 * kBatch];
 #pragma unroll

@@ -91,7 +91,8 @@ struct Tiles {
     return planes_per_table == 4 ? cw_sp_off : causal_warp_bytes;
   }
   // kQueryOut's staged state in two fp16 parts (hi, then lo kS kX after it) for fp16 inputs: their outputs' rounding
-  // leaves too little room for an 11-bit state (S = 2, N = 1,100: 2.06x the reference's error, the tests' bound 2x)
+  // leaves too little room for an 11-bit state (S = 2, N = 1,100: 2.06x the reference's error, the tests' bound 2x);
+  // the same for the causal per-warp kernel's chunk scores (race_causal_out_fwd_kernel: 2.07x)
   static constexpr bool kSplitState = std::is_same_v<T, __half>;
   static constexpr int qo_ot_off = phk_off + (kSplitState ? 2 : 1) * kS * kX * 2;
   static constexpr int query_out_bytes = qo_ot_off + x_bytes;
@@ -849,14 +850,14 @@ __device__ __forceinline__ void tile_num(const Tiles<T, D>& s, bool intra, float
 
 // fn(half, n, word) for the warp's rows r0 + g + 8 half (half = 0, 1) and n-tiles n < D / 8: word = out = num / den
 // at columns 8 n + 2 t, the pair packed in T (acc: [num, den] in the C layout, den in column D; rows with den = 0
-// give 0).
+// give 0), times `ratio` (num's scale over den's where they are held at different powers of two).
 template <typename T, int D, typename Fn>
-__device__ __forceinline__ void for_each_out_pair(const float (&acc)[D / 8 + 1][4], Fn&& fn) {
+__device__ __forceinline__ void for_each_out_pair(const float (&acc)[D / 8 + 1][4], Fn&& fn, float ratio = 1.f) {
   const int quad = (threadIdx.x % 32) & ~3;  // den = column D, held by the quad's t = 0 lane
   const float den[2] = {__shfl_sync(0xffffffffu, acc[D / 8][0], quad), __shfl_sync(0xffffffffu, acc[D / 8][2], quad)};
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const float inv = den[half] > 0.f ? 1.f / den[half] : 0.f;
+    const float inv = den[half] > 0.f ? ratio / den[half] : 0.f;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) fn(half, n, mma::pack2<T>(acc[n][2 * half] * inv, acc[n][2 * half + 1] * inv));
   }
@@ -1027,12 +1028,14 @@ __device__ __forceinline__ void state_apply_fp16(const Tiles<T, D>& s, float (&a
 // pairs would be 8 rows of 16 bytes).
 template <typename T, int D>
 __device__ __forceinline__ void store_out_rows(const Params& p, const float (&acc)[D / 8 + 1][4], int row0, T* ot,
-                                               T* out) {
+                                               T* out, float ratio = 1.f) {
   constexpr int kX = D + 8, kChunks = D / 8, kRowsPerPass = 32 / kChunks;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
-  for_each_out_pair<T, D>(acc, [&](int half, int n, uint32_t word) {
-    *reinterpret_cast<uint32_t*>(ot + (r0 + g + 8 * half) * kX + n * 8 + 2 * t) = word;
-  });
+  for_each_out_pair<T, D>(
+      acc, [&](int half, int n, uint32_t word) {
+        *reinterpret_cast<uint32_t*>(ot + (r0 + g + 8 * half) * kX + n * 8 + 2 * t) = word;
+      },
+      ratio);
   __syncwarp();
 #pragma unroll
   for (int i = 0; i < 16 / kRowsPerPass; ++i) {
@@ -1151,7 +1154,9 @@ __device__ __forceinline__ void stage_warp_state(const float (&acc)[D / 8 + 1][4
     for (int n = 0; n < D / 8; ++n) mv = fmaxf(mv, fabsf(acc[n][i]));
     mz = fmaxf(mz, fabsf(acc[D / 8][i]));
   }
-  const int xv = fp16_stage_exponent(warp_fmax(mv)), xz = fp16_stage_exponent(warp_fmax(mz));
+  // exponents floored to multiples of 8 (max 2^x in [2^7, 2^15)): the warps' usually agree, so the out kernel's
+  // k-steps rarely rescale
+  const int xv = fp16_stage_exponent(warp_fmax(mv)) & ~7, xz = fp16_stage_exponent(warp_fmax(mz)) & ~7;
   const float fv = pow2f(xv), fz = pow2f(xz);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -1168,11 +1173,37 @@ __device__ __forceinline__ void stage_warp_state(const float (&acc)[D / 8 + 1][4
   }
 }
 
+// The chunk product's sums (rows g, g + 8 times 2^r[half]; num times 2^-e_num, den as it is) into the units of the
+// state's first k-step: num times 2^(dn - r) and den times 2^(dd - r) per row, one multiply where every lane's
+// factors are normal fp32 numbers (the usual case), else in steps (scale_pow2).
+template <int D>
+__device__ __forceinline__ void to_state_units(float (&acc)[D / 8 + 1][4], const int (&r)[2], int dn, int dd) {
+  const bool normal = max(abs(dn - r[0]), abs(dn - r[1])) <= 126 && max(abs(dd - r[0]), abs(dd - r[1])) <= 126;
+  if (__all_sync(0xffffffffu, normal)) {
+    const float fn[2] = {pow2f(dn - r[0]), pow2f(dn - r[1])}, fd[2] = {pow2f(dd - r[0]), pow2f(dd - r[1])};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) acc[n][e] *= fn[e / 2];
+      acc[D / 8][e] *= fd[e / 2];
+    }
+    return;
+  }
+  const float down[2] = {pow2f(-r[0]), pow2f(-r[1])};
+#pragma unroll
+  for (int n = 0; n < D / 8 + 1; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] *= down[e / 2];
+  scale_pow2<D>(acc, dn);
+  scale_pow2<D, D / 8, D / 8 + 1>(acc, dd);
+}
+
 // out rows row0 + 16w.. of the query tile whose diagonal is in the chunk of phk / xv / ve (fp16 phi(k) [key][feature];
 // fp16 v 2^-ve[kk] per 16 keys kk, column D = 1): [num, den] = (phi(q) phi(k)^T masked to j <= i) [v, 1] + phi(q) [A, z]
 // of the staged state sth / se (stage_warp_state), then num / den (store_out_rows). The chunk's product first: the
 // warp's scores against keys 0 .. 16w + 15 (the later ones are masked), each row times the power of two 2^r that puts
-// its largest score in [2^14, 2^15), rounded to fp16 (the A operand), and 2^r taken out of the row's fp32 sums after.
+// its largest score in [2^14, 2^15), rounded to fp16 (the A operand; for fp16 inputs two fp16 parts, hi and lo, as
+// their outputs' rounding leaves too little room for 11-bit scores), and 2^r taken out of the row's fp32 sums after.
 // Then the state's k-steps kk (features 16kk.., staged by warp kk). num (n < D / 8) and den (n = D / 8) are each held
 // times a warp-uniform power of two that follows the operands' exponents (scale_pow2), as in state_delta_half.
 template <typename T, int D>
@@ -1197,14 +1228,14 @@ __device__ __forceinline__ void warp_causal_out(const Params& p, const Tiles<T, 
       if (8 * n + 2 * t + (e & 1) > r0 + g + 8 * (e / 2)) sc[n][e] = 0.f;
       mx[e / 2] = fmaxf(mx[e / 2], sc[n][e]);
     }
-  float up[2], down[2];
+  int r[2];  // rows g, g + 8: 11 .. 126 (scores are at most L)
+  float up[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float m = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-    const int r = fp16_stage_exponent(m);  // 11 .. 126: scores are at most L
-    up[half] = pow2f(r);
-    down[half] = pow2f(-r);
+    r[half] = fp16_stage_exponent(m);
+    up[half] = pow2f(r[half]);
   }
   float acc[kN][4] = {};
   int e_num = ve[0];  // acc[n < D / 8] holds num 2^-e_num
@@ -1216,20 +1247,20 @@ __device__ __forceinline__ void warp_causal_out(const Params& p, const Tiles<T, 
       scale_pow2<D>(acc, e_num - e);
       e_num = e;
     }
-    uint32_t a[4];  // register r: n-tile 2 kk + r / 2, row half r % 2 (split_a's layout)
+    uint32_t hi[4], lo[4];  // register r: n-tile 2 kk + r / 2, row half r % 2 (split_a's layout)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const float(&c)[4] = sc[2 * kk + r / 2];
-      a[r] = mma::pack2<__half>(c[2 * (r % 2)] * up[r % 2], c[2 * (r % 2) + 1] * up[r % 2]);
+      mma::split2<__half>(c[2 * (r % 2)] * up[r % 2], c[2 * (r % 2) + 1] * up[r % 2], hi[r], lo[r]);
     }
-    mma::for_each_b_trans<kN>(xv, D + 8, kk * 16, lane,
-                              [&](int n, const uint32_t (&b)[2]) { mma::m16n8k16(acc[n], a, b, __half{}); });
+    mma::for_each_b_trans<kN>(xv, D + 8, kk * 16, lane, [&](int n, const uint32_t (&b)[2]) {
+      mma::m16n8k16(acc[n], hi, b, __half{});
+      if constexpr (Tiles<T, D>::kSplitState) mma::m16n8k16(acc[n], lo, b, __half{});
+    });
   }
-#pragma unroll
-  for (int n = 0; n < kN; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[n][e] *= down[e / 2];
-  int e_den = 0;  // acc[D / 8] holds den 2^-e_den
+  int e_den = se[1];  // acc[D / 8] holds den 2^-e_den
+  to_state_units<D>(acc, r, e_num - se[0], -e_den);
+  e_num = se[0];
 #pragma unroll
   for (int kk = 0; kk < kS / 16; ++kk) {
     const int en = se[2 * kk], ed = se[2 * kk + 1];
@@ -1246,9 +1277,12 @@ __device__ __forceinline__ void warp_causal_out(const Params& p, const Tiles<T, 
     mma::for_each_b_trans<kN>(sth, D + 8, kk * 16, lane,
                               [&](int n, const uint32_t (&b)[2]) { mma::m16n8k16(acc[n], a, b, __half{}); });
   }
-  scale_pow2<D>(acc, e_num);
-  scale_pow2<D, D / 8, D / 8 + 1>(acc, e_den);
-  store_out_rows<T, D>(p, acc, row0, s.ot, out);
+  const int ratio = e_num - e_den;  // out = num 2^e_num / (den 2^e_den)
+  if (ratio < -126 || ratio > 126) {
+    scale_pow2<D>(acc, e_num);
+    scale_pow2<D, D / 8, D / 8 + 1>(acc, e_den);
+  }
+  store_out_rows<T, D>(p, acc, row0, s.ot, out, ratio < -126 || ratio > 126 ? 1.f : pow2f(ratio));
 }
 
 // Causal, per (key-chunk group, q head, batch), each warp on its own rows: warp w loads (cp.async, a chunk ahead) and
