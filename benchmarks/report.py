@@ -54,7 +54,8 @@ def device_slug(device: torch.device) -> str:
     return "-".join("".join(c if c.isalnum() else " " for c in device_name(device).lower()).split())
 
 
-KERNEL_SWITCHES = ("HFAB_RACE_TC_BACKWARD", "HFAB_RACE_PHI_TILE", "HFAB_RACE_PREFETCH", "HFAB_NYSTROM_TC")
+KERNEL_SWITCHES = ("HFAB_RACE_TC_BACKWARD", "HFAB_RACE_PHI_TILE", "HFAB_RACE_PREFETCH", "HFAB_RACE_WARP_CAUSAL",
+                   "HFAB_NYSTROM_TC")
 
 
 def kernel_switches() -> list[str]:

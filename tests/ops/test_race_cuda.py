@@ -261,13 +261,31 @@ def prefetch_cases():
     return results
 
 
-def test_prefetch_is_bitwise_the_load_when_needed(tmp_path):
-    """By default the causal out kernel loads the next chunk's rows (cp.async) while the current one computes;
-    HFAB_RACE_PREFETCH=0 (read once per process, hence a subprocess) selects the variant that loads each chunk's rows
-    when it needs them, which GPUs with less shared memory per block run: the same outputs, bit for bit."""
-    no_prefetch = cases_in_subprocess("test_race_cuda", "prefetch_cases", {"HFAB_RACE_PREFETCH": "0"}, tmp_path)
-    for case, (loaded, prefetched) in enumerate(zip(no_prefetch, prefetch_cases())):
-        assert torch.equal(loaded, prefetched), f"case {case}: HFAB_RACE_PREFETCH=0 and the default differ"
+def test_block_wide_causal_prefetch_is_bitwise_the_load_when_needed(tmp_path):
+    """HFAB_RACE_WARP_CAUSAL=0 selects the block-wide causal out kernel (GPUs with too little shared memory per block
+    for the per-warp one run it), which by default loads the next chunk's rows (cp.async) while the current one
+    computes; HFAB_RACE_PREFETCH=0 selects its variant that loads each chunk's rows when it needs them: the same
+    outputs, bit for bit (both switches are read once per process, hence subprocesses). The per-warp kernel rounds
+    otherwise: its outputs differ from the block-wide ones (so the switch did select the other kernel)."""
+    block = {"HFAB_RACE_WARP_CAUSAL": "0"}
+    prefetched = cases_in_subprocess("test_race_cuda", "prefetch_cases", block, tmp_path)
+    loaded = cases_in_subprocess("test_race_cuda", "prefetch_cases", {**block, "HFAB_RACE_PREFETCH": "0"}, tmp_path)
+    per_warp = prefetch_cases()
+    for case, (a, b, c) in enumerate(zip(loaded, prefetched, per_warp)):
+        assert torch.equal(a, b), f"case {case}: HFAB_RACE_PREFETCH=0 and the default differ"
+        if case % 2 == 1:  # causal
+            assert not torch.equal(b, c), f"case {case}: HFAB_RACE_WARP_CAUSAL=0 gave the per-warp kernel's output"
+
+
+def test_block_wide_causal_out_kernel_meets_the_same_bounds():
+    """HFAB_RACE_WARP_CAUSAL=0 (a subprocess: read once per process): the causal tests of the forward over head dims,
+    lengths, GQA and padding, on the block-wide causal out kernel."""
+    env = {**os.environ, "HFAB_RACE_WARP_CAUSAL": "0"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "(test_forward_and_gradients_gqa or test_key_padding or test_fewer_queries_than_keys) "
+                           "and True"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-1000:]
 
 
 def phi_tile_cases():
