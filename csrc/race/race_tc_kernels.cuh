@@ -62,9 +62,10 @@ struct Tiles {
   // sm_80 has room (D <= 64) a tile xv for the next chunk's v rows (row-major; key_chunk transposes it into vt).
   // kKeyStates has xv too. Every layout but kAll (the backward kernels, and the causal out kernel on GPUs with
   // less shared memory per block than causal_out_bytes) prefetches its next rows: `prefetch`.
-  // kCausalWarp (race_causal_out_fwd_kernel): x (query rows), w, then xk (key rows), phq, two phk tiles, two xv tiles,
-  // two staged states sth ([feature][d] fp16, z in column D), ot, the exponents (ints: ve [2][4], then se [2][4][2]:
-  // the staged states' num and den exponents per warp) and last the sigma tables, left out where P = 4.
+  // kCausalWarp (race_causal_out_fwd_kernel): x (query rows), w, then xk (key rows), phq, phk, two xv tiles, the
+  // staged state sth ([feature][d] fp16, z in column D), ot (in phq's rows where they fit: cw_ot_in_phq), the
+  // exponents (ints: ve [2][4], then se [2][4][2]: the staged state's num and den exponents per warp) and last the
+  // sigma tables, left out where P = 4 (71.5 KB at D = 64: three blocks per SM).
   enum class Use { kAll, kKeyStates, kQueryOut, kCausalOut, kCausalWarp };
   static constexpr bool causal_stages_v = D <= 64;
   static constexpr int causal_out_bytes = bytes + (causal_stages_v ? 2 : 1) * x_bytes;
@@ -77,13 +78,14 @@ struct Tiles {
   static __host__ __device__ int key_states_bytes_for(int planes_per_table) {
     return planes_per_table == 4 ? ks_sp_off : key_states_bytes;
   }
+  static constexpr bool cw_ot_in_phq = kX == kT;  // D = 64: a warp's output rows fit its phq rows
   static constexpr int cw_xk_off = sp_off;
   static constexpr int cw_phq_off = cw_xk_off + x_bytes;
   static constexpr int cw_phk_off = cw_phq_off + kC * kT * 2;
-  static constexpr int cw_xv_off = cw_phk_off + 2 * kC * kT * 2;
+  static constexpr int cw_xv_off = cw_phk_off + kC * kT * 2;
   static constexpr int cw_sth_off = cw_xv_off + 2 * x_bytes;
-  static constexpr int cw_ot_off = cw_sth_off + 2 * kS * kX * 2;
-  static constexpr int cw_ve_off = cw_ot_off + x_bytes;
+  static constexpr int cw_ot_off = cw_sth_off + kS * kX * 2;
+  static constexpr int cw_ve_off = cw_ot_off + (cw_ot_in_phq ? 0 : x_bytes);
   static constexpr int cw_sp_off = cw_ve_off + 6 * kThreads / 32 * 4;
   static constexpr int causal_warp_bytes = cw_sp_off + 2 * table_bytes;
   // kCausalWarp's launch size: without the sigma tables where P = 4
@@ -126,7 +128,7 @@ struct Tiles {
       phk = reinterpret_cast<__half*>(base + cw_phk_off);
       xv = reinterpret_cast<T*>(base + cw_xv_off);
       sth = reinterpret_cast<__half*>(base + cw_sth_off);
-      ot = reinterpret_cast<T*>(base + cw_ot_off);
+      ot = reinterpret_cast<T*>(base + (cw_ot_in_phq ? cw_phq_off : cw_ot_off));
       ve = reinterpret_cast<int*>(base + cw_ve_off);
       se = ve + 2 * kThreads / 32;
     } else if (use == Use::kKeyStates) {
@@ -1289,11 +1291,12 @@ __device__ __forceinline__ void warp_causal_out(const Params& p, const Tiles<T, 
 // maps rows 16w.. of every chunk's keys and of its query tile (phi(k), phi(q) in fp16 into its rows of phk and phq),
 // converts its v rows to fp16 2^-e (warp_rows_to_half) and holds features 16w.. of the running state [A, z] in fp32
 // registers (from the group's prefix, slot grp). Per chunk: the warp stages its state rows in fp16 (stage_warp_state),
-// one block barrier, the v rows of the next chunk start loading, each warp writes its 16 out rows of the chunk's query
-// tile (warp_causal_out) and adds the chunk's phi(k)^T [v, 1] to its state rows (state_delta_half). phk, xv, sth and
-// the exponents are double-buffered (chunk parity), so one barrier per chunk orders every reuse.
+// a block barrier, the v rows of the next chunk start loading, each warp writes its 16 out rows of the chunk's query
+// tile (warp_causal_out) and adds the chunk's phi(k)^T [v, 1] to its state rows (state_delta_half), and a second
+// barrier ends the chunk (phk and sth are single tiles: three blocks per SM at D = 64); xv and its exponents are
+// double-buffered (the next chunk's v rows load during this chunk's products).
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1) race_causal_out_fwd_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) race_causal_out_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
   Tiles<T, D> s(smem_raw, Tiles<T, D>::Use::kCausalWarp);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -1319,11 +1322,11 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1) race_causal_out_fwd
   for (int kappa = first; kappa < end; ++kappa) {
     const int m = kappa - p.kappa0, buf = (kappa - first) & 1;
     const bool more = kappa + 1 < end;
-    __half* phk = s.phk + buf * kC * kT;
+    __half* phk = s.phk;
     T* xv = s.xv + buf * kC * (D + 8);
     T* xv_next = s.xv + (buf ^ 1) * kC * (D + 8);
     int* ve = s.ve + buf * kThreads / 32;
-    __half* sth = s.sth + buf * kS * (D + 8);
+    __half* sth = s.sth;
     int* se = s.se + buf * 2 * kThreads / 32;
     const bool next_flag = lane_key_ok(p, b, key0(kappa + 1) + r0);  // false past the keys
     unsigned next_flags = 0;
@@ -1363,8 +1366,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 2 : 1) race_causal_out_fwd
     else mma::cp_async_commit();
     const __half* xvh = reinterpret_cast<const __half*>(xv);
     if (m >= 0) warp_causal_out<T, D>(p, s, phk, xvh, ve, sth, se, m * kC, out);
-    if (more) state_delta_half<D>(phk, xvh, ve, st, e_s);
+    if (!more) break;
+    state_delta_half<D>(phk, xvh, ve, st, e_s);
     flags = next_flags;
+    __syncthreads();  // every warp is done with phk and sth
   }
 }
 
