@@ -1322,11 +1322,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) race_causal_out_fwd
   for (int kappa = first; kappa < end; ++kappa) {
     const int m = kappa - p.kappa0, buf = (kappa - first) & 1;
     const bool more = kappa + 1 < end;
-    __half* phk = s.phk;
     T* xv = s.xv + buf * kC * (D + 8);
     T* xv_next = s.xv + (buf ^ 1) * kC * (D + 8);
     int* ve = s.ve + buf * kThreads / 32;
-    __half* sth = s.sth;
     int* se = s.se + buf * 2 * kThreads / 32;
     const bool next_flag = lane_key_ok(p, b, key0(kappa + 1) + r0);  // false past the keys
     unsigned next_flags = 0;
@@ -1344,7 +1342,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) race_causal_out_fwd
       else mma::cp_async_commit();  // an empty group: the waits count the same groups in every chunk
     };
     warp_features<T, D>(p, s, s.xk, hd.beta, next_keys,
-                        [flags, r0](int r) { return ((flags >> (r - r0)) & 1u) != 0; }, store_to(phk));
+                        [flags, r0](int r) { return ((flags >> (r - r0)) & 1u) != 0; }, store_to(s.phk));
     mma::cp_async_wait_prior<2>();  // the warp's query rows of this chunk
     __syncwarp();
     const auto next_queries = [&] {
@@ -1360,14 +1358,14 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) race_causal_out_fwd
     __syncwarp();
     const int e = warp_rows_to_half<T, D>(xv);
     if (lane == 0) ve[w] = e;
-    stage_warp_state<D>(st, e_s, sth, se);
+    stage_warp_state<D>(st, e_s, s.sth, se);
     __syncthreads();
     if (more) warp_key_rows_async<T, D>(hd.v, p.sv.n, key0(kappa + 1), next_flags, xv_next);
     else mma::cp_async_commit();
     const __half* xvh = reinterpret_cast<const __half*>(xv);
-    if (m >= 0) warp_causal_out<T, D>(p, s, phk, xvh, ve, sth, se, m * kC, out);
+    if (m >= 0) warp_causal_out<T, D>(p, s, s.phk, xvh, ve, s.sth, se, m * kC, out);
     if (!more) break;
-    state_delta_half<D>(phk, xvh, ve, st, e_s);
+    state_delta_half<D>(s.phk, xvh, ve, st, e_s);
     flags = next_flags;
     __syncthreads();  // every warp is done with phk and sth
   }
