@@ -83,9 +83,11 @@ def test_more_than_one_group_of_chunks(emulator, causal):
 
 @pytest.mark.parametrize("d, tables, planes_per_table, dtype", [(32, 8, 1, torch.bfloat16), (128, 2, 3, torch.bfloat16),
                                                                  (64, 1, 6, torch.float16)])
-def test_non_causal_feature_shapes_with_padding(emulator, d, tables, planes_per_table, dtype):
-    # items of 2, 8 and 16 features per row (the warps' feature stores), Nq != Nk, key padding
-    check(emulator, 2, 2, 1, 90, 150, d, causal=False, dtype=dtype, tables=tables, planes_per_table=planes_per_table,
+@pytest.mark.parametrize("causal", [False, True])
+def test_feature_shapes_with_padding(emulator, d, tables, planes_per_table, dtype, causal):
+    # items of 2, 8 and 16 features per row (the warps' feature stores, the sigma tables of P != 4), Nq != Nk, key
+    # padding
+    check(emulator, 2, 2, 1, 90, 150, d, causal=causal, dtype=dtype, tables=tables, planes_per_table=planes_per_table,
           mask=make_padding(2, 150, seed=5))
 
 
