@@ -4,19 +4,23 @@
 //   race_group_state_fwd_kernel  per (key-chunk group, q head, batch): the group's sum_j phi(k_j) [v_j, 1]^T
 //                                (S x (D + 1), fp32), written to slot g of p.kstate / p.kz
 //   race_scan_fwd_kernel         exclusive prefix over the groups (race_kernels.cuh; slot ngk = total)
-//   race_group_out_fwd_kernel    causal: per key-chunk group, walks its chunks in order with the running
-//                                state in shared memory (fp32): out of the chunk's query tile, then
+//   race_causal_out_fwd_kernel   causal: per key-chunk group, each warp on its own rows, the running state in
+//                                registers (fp32; features 16w.. per warp): out of the chunk's query tile, then
 //                                state += phi(k)^T [v, 1]
+//   race_group_out_fwd_kernel    the same block-wide, the running state in shared memory (GPUs with less shared
+//                                memory per block; HFAB_RACE_WARP_CAUSAL=0)
 //   race_query_out_fwd_kernel    non-causal: per group of query tiles, out from the total state
 // 128 threads (4 warps); warp w owns rows [16w, 16w + 16) of a 64-row tile (queries or features).
 // Operand precision (measured in a float64 simulation, NOTES.md): projections x W^T with W split in
 // two T halves (hi + lo); scores phi(q) phi(k)^T with fp16 features; a v and the causal out kernel's phi(k)^T v with
-// the non-v operand split in two T halves, v in T; the group states phi(k)^T v with fp16 phi(k) and v in fp16 times a
-// power of two per warp's 16 rows (bf16 v; warp_rows_to_half), fp32 sums, in the forward (the backward's group states
-// as the causal out kernel's product); the state apply phi(q) [A, z] in tf32 (the state is fp32 and
-// can exceed the fp16 range) where the state grows (causal), in fp16 times one power of two where it is fixed
-// (non-causal: the same 11 significant bits). The denominators ride along as one more column: v gets a row of ones
-// (intra-chunk sums of a), the state keeps z in column D, so num and den see the same rounded a.
+// the non-v operand split in two T halves, v in T (the block-wide causal out kernel); the group states phi(k)^T v with
+// fp16 phi(k) and v in fp16 times a power of two per warp's 16 rows (bf16 v; warp_rows_to_half), fp32 sums, in the
+// forward for bf16 inputs (fp16 inputs and the backward: phi(k) in two halves); the per-warp causal kernel's chunk
+// products likewise, its scores in fp16 times a power of two per row (two fp16 parts for fp16 inputs); the state apply
+// phi(q) [A, z] in tf32 in the block-wide causal kernel, else in fp16 times powers of two (per warp's 16 features where
+// the state grows, one per block where it is fixed; two fp16 parts for fp16 inputs in the non-causal kernel). The
+// denominators ride along as one more column: v gets a row of ones (intra-chunk sums of a), the state keeps z in
+// column D, so num and den see the same rounded a.
 // No atomics: every sum has a fixed order. Pure CUDA.
 #pragma once
 
