@@ -661,6 +661,15 @@ __device__ __forceinline__ void state_delta_half(const __half* phk, const __half
   }
 }
 
+// Slot `slot` of (b, h) of the group states: A (S x D) and z (S), as race_group_state_fwd_kernel writes them and the
+// group scan leaves them (slot ngk: the total).
+__device__ __forceinline__ float* slot_state(const Params& p, long long bh, int slot, int d) {
+  return p.kstate + (bh * (p.ngk + 1) + slot) * p.features * d;
+}
+__device__ __forceinline__ float* slot_z(const Params& p, long long bh, int slot) {
+  return p.kz + (bh * (p.ngk + 1) + slot) * p.features;
+}
+
 // fn(f, half) for the state rows f = 16w + g + 8 half < p.features (half = 0, 1) whose values acc[n][2 half],
 // acc[n][2 half + 1] this lane holds: the C layout of the warp's 16 rows of a [feature][d] state, z in column D.
 template <typename Fn>
@@ -762,8 +771,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (HALF ? 4 : 3) : 2) race_g
   }
   scale_pow2<D>(acc, e_cur);
   const int t = lane % 4;
-  float* A = p.kstate + (hd.bh * (p.ngk + 1) + grp) * p.features * D;
-  float* z = p.kz + (hd.bh * (p.ngk + 1) + grp) * p.features;
+  float* A = slot_state(p, hd.bh, grp, D);
+  float* z = slot_z(p, hd.bh, grp);
   for_each_state_row(p, [&](int f, int half) {
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
@@ -934,7 +943,7 @@ __device__ void load_state(const Params& p, const float* A, const float* z, Tile
 // Key-state slot `slot` of (b, h) into s.st.
 template <typename T, int D>
 __device__ void load_state(const Params& p, long long bh, int slot, Tiles<T, D>& s) {
-  load_state<T, D>(p, p.kstate + (bh * (p.ngk + 1) + slot) * p.features * D, p.kz + (bh * (p.ngk + 1) + slot) * p.features, s);
+  load_state<T, D>(p, slot_state(p, bh, slot, D), slot_z(p, bh, slot), s);
 }
 
 // s.st += phi(k)^T [v, 1] of the chunk in pkt / vt (the caller has a barrier after the last reader of st).
@@ -975,8 +984,8 @@ __device__ void stage_state_fp16(const Params& p, long long bh, Tiles<T, D>& s) 
   constexpr int kX = D + 8, kQuads = D / 4, kIters = kS * kQuads / kThreads;
   static_assert(kS * kQuads % kThreads == 0 && kS <= kThreads, "state tile shapes");
   __shared__ float warp_max[kThreads / 32];
-  const float* A = p.kstate + (bh * (p.ngk + 1) + p.ngk) * p.features * D;
-  const float* zs = p.kz + (bh * (p.ngk + 1) + p.ngk) * p.features;
+  const float* A = slot_state(p, bh, p.ngk, D);
+  const float* zs = slot_z(p, bh, p.ngk);
   float4 val[kIters];
   float m = 0.f;
 #pragma unroll
@@ -1128,8 +1137,8 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_out_fwd_kernel(const P
 template <int D>
 __device__ __forceinline__ void load_warp_state(const Params& p, long long bh, int slot, float (&acc)[D / 8 + 1][4]) {
   const int t = threadIdx.x % 4;
-  const float* A = p.kstate + (bh * (p.ngk + 1) + slot) * p.features * D;
-  const float* z = p.kz + (bh * (p.ngk + 1) + slot) * p.features;
+  const float* A = slot_state(p, bh, slot, D);
+  const float* z = slot_z(p, bh, slot);
 #pragma unroll
   for (int n = 0; n < D / 8 + 1; ++n)
 #pragma unroll
