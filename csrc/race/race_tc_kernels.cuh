@@ -66,10 +66,10 @@ struct Tiles {
   // sm_80 has room (D <= 64) a tile xv for the next chunk's v rows (row-major; key_chunk transposes it into vt).
   // kKeyStates has xv too. Every layout but kAll (the backward kernels, and the causal out kernel on GPUs with
   // less shared memory per block than causal_out_bytes) prefetches its next rows: `prefetch`.
-  // kCausalWarp (race_causal_out_fwd_kernel): x (query rows), w, then xk (key rows), phq, phk, two xv tiles, the
-  // staged state sth ([feature][d] fp16, z in column D), ot (in phq's rows where they fit: cw_ot_in_phq), the
-  // exponents (ints: ve [2][4], then se [2][4][2]: the staged state's num and den exponents per warp) and last the
-  // sigma tables, left out where P = 4 (71.5 KB at D = 64: three blocks per SM).
+  // kCausalWarp (race_causal_out_fwd_kernel): x (query rows), w, then xk (key rows), phq, cw_bufs phk tiles, two xv
+  // tiles, cw_bufs staged states sth ([feature][d] fp16, z in column D), ot (in phq's rows where they fit:
+  // cw_ot_in_phq), the exponents (ints: ve [2][4], then se [2][4][2]: the staged states' num and den exponents per
+  // warp) and last the sigma tables, left out where P = 4 (71.5 KB at D = 64: three blocks per SM).
   enum class Use { kAll, kKeyStates, kQueryOut, kCausalOut, kCausalWarp };
   static constexpr bool causal_stages_v = D <= 64;
   static constexpr int causal_out_bytes = bytes + (causal_stages_v ? 2 : 1) * x_bytes;
@@ -83,12 +83,15 @@ struct Tiles {
     return planes_per_table == 4 ? ks_sp_off : key_states_bytes;
   }
   static constexpr bool cw_ot_in_phq = kX == kT;  // D = 64: a warp's output rows fit its phq rows
+  // phk and sth copies (by chunk parity): one at D = 64, where it buys a third block per SM at the cost of a second
+  // barrier per chunk; two at D = 32 (three blocks either way: registers) and D = 128 (one block either way)
+  static constexpr int cw_bufs = D == 64 ? 1 : 2;
   static constexpr int cw_xk_off = sp_off;
   static constexpr int cw_phq_off = cw_xk_off + x_bytes;
   static constexpr int cw_phk_off = cw_phq_off + kC * kT * 2;
-  static constexpr int cw_xv_off = cw_phk_off + kC * kT * 2;
+  static constexpr int cw_xv_off = cw_phk_off + cw_bufs * kC * kT * 2;
   static constexpr int cw_sth_off = cw_xv_off + 2 * x_bytes;
-  static constexpr int cw_ot_off = cw_sth_off + kS * kX * 2;
+  static constexpr int cw_ot_off = cw_sth_off + cw_bufs * kS * kX * 2;
   static constexpr int cw_ve_off = cw_ot_off + (cw_ot_in_phq ? 0 : x_bytes);
   static constexpr int cw_sp_off = cw_ve_off + 6 * kThreads / 32 * 4;
   static constexpr int causal_warp_bytes = cw_sp_off + 2 * table_bytes;
@@ -1305,9 +1308,9 @@ __device__ __forceinline__ void warp_causal_out(const Params& p, const Tiles<T, 
 // converts its v rows to fp16 2^-e (warp_rows_to_half) and holds features 16w.. of the running state [A, z] in fp32
 // registers (from the group's prefix, slot grp). Per chunk: the warp stages its state rows in fp16 (stage_warp_state),
 // a block barrier, the v rows of the next chunk start loading, each warp writes its 16 out rows of the chunk's query
-// tile (warp_causal_out) and adds the chunk's phi(k)^T [v, 1] to its state rows (state_delta_half), and a second
-// barrier ends the chunk (phk and sth are single tiles: three blocks per SM at D = 64); xv and its exponents are
-// double-buffered (the next chunk's v rows load during this chunk's products).
+// tile (warp_causal_out) and adds the chunk's phi(k)^T [v, 1] to its state rows (state_delta_half). xv and its
+// exponents are double-buffered (the next chunk's v rows load during this chunk's products); phk and sth too where
+// D != 64, else a second barrier ends the chunk (single tiles: three blocks per SM at D = 64; Tiles::cw_bufs).
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) race_causal_out_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
@@ -1335,6 +1338,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) race_causal_out_fwd
   for (int kappa = first; kappa < end; ++kappa) {
     const int m = kappa - p.kappa0, buf = (kappa - first) & 1;
     const bool more = kappa + 1 < end;
+    constexpr int kBufs = Tiles<T, D>::cw_bufs;
+    __half* phk = s.phk + (kBufs == 2 ? buf : 0) * kC * kT;
+    __half* sth = s.sth + (kBufs == 2 ? buf : 0) * kS * (D + 8);
     T* xv = s.xv + buf * kC * (D + 8);
     T* xv_next = s.xv + (buf ^ 1) * kC * (D + 8);
     int* ve = s.ve + buf * kThreads / 32;
@@ -1355,7 +1361,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) race_causal_out_fwd
       else mma::cp_async_commit();  // an empty group: the waits count the same groups in every chunk
     };
     warp_features<T, D>(p, s, s.xk, hd.beta, next_keys,
-                        [flags, r0](int r) { return ((flags >> (r - r0)) & 1u) != 0; }, store_to(s.phk));
+                        [flags, r0](int r) { return ((flags >> (r - r0)) & 1u) != 0; }, store_to(phk));
     mma::cp_async_wait_prior<2>();  // the warp's query rows of this chunk
     __syncwarp();
     const auto next_queries = [&] {
@@ -1371,16 +1377,16 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) race_causal_out_fwd
     __syncwarp();
     const int e = warp_rows_to_half<T, D>(xv);
     if (lane == 0) ve[w] = e;
-    stage_warp_state<D>(st, e_s, s.sth, se);
+    stage_warp_state<D>(st, e_s, sth, se);
     __syncthreads();
     if (more) warp_key_rows_async<T, D>(hd.v, p.sv.n, key0(kappa + 1), next_flags, xv_next);
     else mma::cp_async_commit();
     const __half* xvh = reinterpret_cast<const __half*>(xv);
-    if (m >= 0) warp_causal_out<T, D>(p, s, s.phk, xvh, ve, s.sth, se, m * kC, out);
+    if (m >= 0) warp_causal_out<T, D>(p, s, phk, xvh, ve, sth, se, m * kC, out);
     if (!more) break;
-    state_delta_half<D>(s.phk, xvh, ve, st, e_s);
+    state_delta_half<D>(phk, xvh, ve, st, e_s);
     flags = next_flags;
-    __syncthreads();  // every warp is done with phk and sth
+    if constexpr (kBufs == 1) __syncthreads();  // every warp is done with phk and sth
   }
 }
 
