@@ -16,7 +16,7 @@ void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, boo
   bool dq_done = false;
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_cores) {  // group prefix states, then dq, den, c walking each group's chunks (or tiles)
-      tc_key_states<T, D, false>(op, p, kstate, kz, f32, batch, device, stream);
+      tc_key_states<T, D, false>(op, p, tc::kGroup, kstate, kz, f32, batch, device, stream);
       const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
       const auto dq_kernel = phi_tile_enabled() ? tc::race_group_dq_bwd_kernel<T, D, true>
                                                 : tc::race_group_dq_bwd_kernel<T, D, false>;

@@ -205,15 +205,16 @@ inline bool tc_key_side_applies(const at::Tensor& q, const Params& p, const c10:
 // Query-state groups of the tensor-core key side: the key-chunk groups (causal) or groups of kGroup query tiles.
 inline int tc_query_groups(const Params& p) { return div_up(p.causal ? p.nkc : p.nqt, tc::kGroup); }
 
-// Group states of the tensor-core kernels: per group of tc::kGroup key chunks sum phi(k) [v, 1]^T, then their
-// exclusive prefix (causal) or their total alone (non-causal), slot ngk: the total. Sets p.ngk, p.ngq and p.kstate,
-// p.kz. q, k, v must be 16-byte vector readable (hfab::vector_readable) and p point at them. HALF: the fp16
-// products (race_group_state_fwd_kernel; the forward's for bf16 inputs, tc::kHalfStates); the backward takes the split
-// ones.
+// Group states of the tensor-core kernels: per group of `group_chunks` key chunks (the backward's kernels take
+// tc::kGroup) sum phi(k) [v, 1]^T, then their exclusive prefix (causal) or their total alone (non-causal), slot ngk:
+// the total. Sets p.gchunks, p.ngk, p.ngq and p.kstate, p.kz. q, k, v must be 16-byte vector readable
+// (hfab::vector_readable) and p point at them. HALF: the fp16 products (race_group_state_fwd_kernel; the forward's for
+// bf16 inputs, tc::kHalfStates); the backward takes the split ones.
 template <typename T, int D, bool HALF = tc::kHalfStates<T>>
-void tc_key_states(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, const at::TensorOptions& f32,
-                   int64_t batch, const c10::Device& device, cudaStream_t stream) {
-  p.ngk = div_up(p.nkc, tc::kGroup);
+void tc_key_states(const char* op, Params& p, int group_chunks, at::Tensor& gstate, at::Tensor& gz,
+                   const at::TensorOptions& f32, int64_t batch, const c10::Device& device, cudaStream_t stream) {
+  p.gchunks = group_chunks;
+  p.ngk = div_up(p.nkc, group_chunks);
   p.ngq = div_up(p.nqt, tc::kGroup);
   gstate = at::empty({batch, p.hq, p.ngk + 1, p.features, D}, f32);
   gz = at::empty({batch, p.hq, p.ngk + 1, p.features}, f32);
@@ -232,7 +233,7 @@ void tc_key_states(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz
 template <typename T, int D>
 void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, const at::TensorOptions& f32,
                 int64_t batch, const c10::Device& device, cudaStream_t stream) {
-  tc_key_states<T, D>(op, p, gstate, gz, f32, batch, device, stream);
+  tc_key_states<T, D>(op, p, tc::forward_group_chunks(p.nkc, batch * p.hq), gstate, gz, f32, batch, device, stream);
   const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
   const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
   const int warp_bytes = tc::Tiles<T, D>::causal_warp_bytes_for(p.planes_per_table);

@@ -68,7 +68,8 @@ struct Params {
   int kappa0;  // chunk of query tile 0 (causal), may be negative
   int nkc;     // key chunks
   int nqt;     // query tiles
-  int ngk;     // tensor-core forward (race_tc_kernels.cuh): groups of tc::kGroup key chunks
+  int ngk;     // tensor-core forward (race_tc_kernels.cuh): groups of gchunks key chunks
+  int gchunks;  // key chunks per group of the group states: tc::forward_group_chunks (forward), tc::kGroup (backward)
   int ngq;     // groups of tc::kGroup query tiles (non-causal)
   float* kstate;  // (B, Hq, nkc + 1, S, D) chunk states, then their exclusive prefix sums (slot nkc: total)
   float* kz;      // (B, Hq, nkc + 1, S)

@@ -1,6 +1,6 @@
 // RACE forward on tensor cores (mma.sync, sm_80+) for fp16/bf16 inputs and S = L * 2^P <= 64.
 //
-// Two levels (csrc/race/NOTES.md, "Tensor-core forward"): key chunks of 64 are taken kGroup at a time.
+// Two levels (csrc/race/NOTES.md, "Tensor-core forward"): key chunks of 64 are taken p.gchunks (16 or 32) at a time.
 //   race_group_state_fwd_kernel  per (key-chunk group, q head, batch): the group's sum_j phi(k_j) [v_j, 1]^T
 //                                (S x (D + 1), fp32), written to slot g of p.kstate / p.kz
 //   race_scan_fwd_kernel         exclusive prefix over the groups (race_kernels.cuh; slot ngk = total)
@@ -37,6 +37,15 @@ constexpr int kS = 64;       // features, zero-padded (fast path: S <= 64)
 constexpr int kLPMax = 24;   // L * P when L * 2^P <= 64 and L <= 8
 constexpr int kGroup = 16;   // chunks per group
 constexpr int kT = kC + 8;   // row stride (elements) of 64-column 16-bit tiles: fragment loads hit 32 banks
+
+// Key chunks per group of the forward's group states (Params::gchunks) for nkc key chunks and `heads` (batch x q
+// heads): kWideGroup where that still makes kWideGroupBlocks blocks (long sequences: half the state slots that the
+// group scan walks and the causal out kernel's blocks start from), else kGroup. The backward's kernels take kGroup.
+constexpr int kWideGroup = 32;
+constexpr long long kWideGroupBlocks = 4096;
+__host__ __device__ inline int forward_group_chunks(int nkc, long long heads) {
+  return static_cast<long long>((nkc + kWideGroup - 1) / kWideGroup) * heads >= kWideGroupBlocks ? kWideGroup : kGroup;
+}
 
 // Shared-memory carve-up (bytes), for the kernels and the host's launch size.
 template <typename T, int D>
@@ -605,14 +614,23 @@ __device__ __forceinline__ int warp_rows_to_half(T* xv) {
       }
     }
     const int e = v_exponent(warp_fmax(m));
-    const float f = pow2f(-e);  // exact products
-    const auto half_word = [f](uint32_t w) {
-      const float2 x = mma::unpack2<T>(w);
-      return mma::pack2<__half>(x.x * f, x.y * f);
-    };
+    const auto store = [&](const auto& half_word) {
 #pragma unroll
-    for (int i = 0; i < kPer; ++i)
-      *chunk[i] = make_uint4(half_word(val[i].x), half_word(val[i].y), half_word(val[i].z), half_word(val[i].w));
+      for (int i = 0; i < kPer; ++i)
+        *chunk[i] = make_uint4(half_word(val[i].x), half_word(val[i].y), half_word(val[i].z), half_word(val[i].w));
+    };
+    if (e == 0) {  // the usual case (warp-uniform): the values as they are, no multiplies
+      store([](uint32_t w) {
+        const float2 x = mma::unpack2<T>(w);
+        return mma::pack2<__half>(x.x, x.y);
+      });
+    } else {
+      const float f = pow2f(-e);  // exact products
+      store([f](uint32_t w) {
+        const float2 x = mma::unpack2<T>(w);
+        return mma::pack2<__half>(x.x * f, x.y * f);
+      });
+    }
     return e;
   }
 }
@@ -703,7 +721,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (HALF ? 4 : 3) : 2) race_g
   Tiles<T, D> s(smem_raw, Tiles<T, D>::Use::kKeyStates);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
-  const int first = grp * kGroup, end = min(p.nkc, (grp + 1) * kGroup), lane = threadIdx.x % 32, w = threadIdx.x / 32;
+  const int first = grp * p.gchunks, end = min(p.nkc, first + p.gchunks), lane = threadIdx.x % 32, w = threadIdx.x / 32;
   const int r0 = 16 * w;
   const auto key0 = [&p](int kappa) { return p.s0 + kappa * kC; };
   unsigned flags = warp_flags(lane_key_ok(p, b, key0(first) + r0));  // the warp's rows of chunk kappa
@@ -1114,8 +1132,8 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_out_fwd_kernel(const P
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
   T* out = static_cast<T*>(p.out) + hd.bh * p.nq * D;
-  const int first = grp * kGroup;
-  const int end = min(p.nkc, first + kGroup);
+  const int first = grp * p.gchunks;
+  const int end = min(p.nkc, first + p.gchunks);
   if (end - 1 < p.kappa0) return;  // only keys before the first query: no tile to write
   if (PREFETCH) {
     prefetch_keys<T, D>(p, hd, b, first, s);
@@ -1318,7 +1336,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) race_causal_out_fwd
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
   T* out = static_cast<T*>(p.out) + hd.bh * p.nq * D;
-  const int first = grp * kGroup, end = min(p.nkc, first + kGroup), lane = threadIdx.x % 32, w = threadIdx.x / 32;
+  const int first = grp * p.gchunks, end = min(p.nkc, first + p.gchunks), lane = threadIdx.x % 32, w = threadIdx.x / 32;
   const int r0 = 16 * w;
   if (end - 1 < p.kappa0) return;  // only keys before the first query: no tile to write
   const auto key0 = [&p](int kappa) { return p.s0 + kappa * kC; };

@@ -363,6 +363,21 @@ def test_long_sequence_gradients(dtype, causal):
         assert_close_to_oracle(got, want, baseline=base, floor=floor, name=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_in_groups_of_32_chunks(dtype, causal):
+    """B=2, Hq=1024, Hkv=256, N=2,113: 34 key chunks in two groups of 32 (the forward takes 32-chunk groups where that
+    still makes 4,096 blocks: tc::forward_group_chunks), the second one ragged; float64 reference as the oracle (the
+    dense one would need 2,048 x N x N)."""
+    n, hq = 2113, 1024
+    q, k, v = make_inputs(2, hq, 256, n, n, 64, dtype=dtype)
+    planes, beta = make_planes(4, 4, 64), per_head_beta(hq, 64)
+    out = torch.ops.hfab.race_fwd(q, k, v, planes, beta, None, causal)
+    out64 = reference.race_forward(q.double(), k.double(), v.double(), planes.double(), beta.double(), None, causal)
+    out_ref = reference.race_forward(q, k, v, planes, beta, None, causal)
+    assert_close_to_oracle(out, out64, baseline=out_ref, name="out")
+
+
 def test_unsupported_configurations_raise_clear_errors():
     q, k, v = make_inputs(1, 2, 2, 8, 8, 64)
     beta = per_head_beta(2, 64)

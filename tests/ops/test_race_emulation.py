@@ -81,6 +81,15 @@ def test_more_than_one_group_of_chunks(emulator, causal):
     check(emulator, 1, 1, 1, 1100, 1100, 32, causal=causal, tables=2, planes_per_table=2)  # 18 chunks: two groups
 
 
+@pytest.mark.parametrize("group_chunks, n", [(3, 1100), (32, 2200)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_group_sizes(emulator, monkeypatch, group_chunks, n, causal):
+    # the forward's group states, scan and causal out kernel with groups of other sizes than 16 (the GPU takes 32 for
+    # long inputs, tc::forward_group_chunks): 18 chunks in six groups of 3; 35 chunks in a group of 32 and a ragged one
+    monkeypatch.setenv("HFAB_RACE_GROUP_CHUNKS", str(group_chunks))
+    check(emulator, 1, 2, 1, n, n, 64, causal=causal, dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("d, tables, planes_per_table, dtype", [(32, 8, 1, torch.bfloat16), (128, 2, 3, torch.bfloat16),
                                                                  (64, 1, 6, torch.float16)])
 @pytest.mark.parametrize("causal", [False, True])

@@ -70,8 +70,9 @@ bool scan(float* state, float* z, int n, int d, const Params& p, int b, ScanMode
 }
 
 template <typename T, int D, bool HALF>
-bool tc_key_states(Params& p, int b, vector<float>& state, vector<float>& z) {
-  p.ngk = div_up(p.nkc, tc::kGroup);
+bool tc_key_states(Params& p, int group_chunks, int b, vector<float>& state, vector<float>& z) {
+  p.gchunks = group_chunks;
+  p.ngk = div_up(p.nkc, group_chunks);
   p.ngq = div_up(p.nqt, tc::kGroup);
   state.assign(static_cast<size_t>(b) * p.hq * (p.ngk + 1) * p.features * D, NAN);
   z.assign(static_cast<size_t>(b) * p.hq * (p.ngk + 1) * p.features, NAN);
@@ -92,6 +93,13 @@ bool key_states(Params& p, int b, vector<float>& state, vector<float>& z) {
          scan(p.kstate, p.kz, p.nkc, D, p, b, kPrefix);
 }
 
+// The forward's key chunks per group: tc::forward_group_chunks as on the GPU, or HFAB_RACE_GROUP_CHUNKS (read per
+// call; here only) so that small inputs run other group sizes than the GPU picks for them.
+int forward_group_chunks(const Params& p, int b) {
+  const char* v = std::getenv("HFAB_RACE_GROUP_CHUNKS");
+  return v != nullptr ? std::atoi(v) : tc::forward_group_chunks(p.nkc, static_cast<long long>(b) * p.hq);
+}
+
 // HFAB_RACE_WARP_CAUSAL=0 (read per call here): the block-wide causal out kernel, as on the GPU.
 bool block_causal_out() {
   const char* v = std::getenv("HFAB_RACE_WARP_CAUSAL");
@@ -103,7 +111,7 @@ bool forward(Params& p, int b, bool tc_path) {
   vector<float> state, z;
   if constexpr (!std::is_same_v<T, float>) {
     if (tc_path) {
-      if (!tc_key_states<T, D, tc::kHalfStates<T>>(p, b, state, z)) return false;
+      if (!tc_key_states<T, D, tc::kHalfStates<T>>(p, forward_group_chunks(p, b), b, state, z)) return false;
       const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
       if (p.causal)
         return block_causal_out()
@@ -122,7 +130,7 @@ bool backward(Params& p, int b, int hkv, bool tc_path) {
   bool dq_done = false;
   if constexpr (!std::is_same_v<T, float>) {
     if (tc_path) {
-      if (!tc_key_states<T, D, false>(p, b, state, z)) return false;
+      if (!tc_key_states<T, D, false>(p, tc::kGroup, b, state, z)) return false;
       const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
       if (!emu::launch(dim3(blocks, p.hq, b), tc::kThreads, [&] { tc::race_group_dq_bwd_kernel<T, D, true>(p); }))
         return false;
