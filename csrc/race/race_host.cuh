@@ -189,6 +189,21 @@ inline bool warp_causal_out(const c10::Device& device, int bytes) {
   return enabled && bytes <= shared_memory_limit(device);
 }
 
+// Key chunks per group of the forward's group states and causal out blocks: tc::forward_group_chunks, or
+// HFAB_RACE_GROUP_CHUNKS (a positive integer, read once per process: for comparison and testing).
+inline int forward_group_chunks(const Params& p, int64_t batch) {
+  static const long forced = [] {
+    const char* env = std::getenv("HFAB_RACE_GROUP_CHUNKS");
+    if (env == nullptr || *env == '\0') return 0L;
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    TORCH_CHECK(*end == '\0' && n >= 1 && n <= 4096, "HFAB_RACE_GROUP_CHUNKS=", env,
+                ": expected a number of key chunks per group from 1 to 4096, or unset (16 or 32 by length)");
+    return n;
+  }();
+  return forced != 0 ? static_cast<int>(forced) : tc::forward_group_chunks(p.nkc, batch * p.hq);
+}
+
 inline bool tc_backward_applies(const at::Tensor& q, const Params& p, const c10::Device& device) {
   return tensor_core_backward_enabled() &&
          tc_applies(q, p, device, [](auto dim) { return tc::BwdTiles<__half, decltype(dim)::value>::bytes; });
@@ -233,7 +248,7 @@ void tc_key_states(const char* op, Params& p, int group_chunks, at::Tensor& gsta
 template <typename T, int D>
 void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, const at::TensorOptions& f32,
                 int64_t batch, const c10::Device& device, cudaStream_t stream) {
-  tc_key_states<T, D>(op, p, tc::forward_group_chunks(p.nkc, batch * p.hq), gstate, gz, f32, batch, device, stream);
+  tc_key_states<T, D>(op, p, forward_group_chunks(p, batch), gstate, gz, f32, batch, device, stream);
   const unsigned b = static_cast<unsigned>(batch), h = static_cast<unsigned>(p.hq);
   const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
   const int warp_bytes = tc::Tiles<T, D>::causal_warp_bytes_for(p.planes_per_table);
