@@ -55,7 +55,7 @@ def device_slug(device: torch.device) -> str:
 
 
 KERNEL_SWITCHES = ("HFAB_RACE_TC_BACKWARD", "HFAB_RACE_PHI_TILE", "HFAB_RACE_PREFETCH", "HFAB_RACE_WARP_CAUSAL",
-                   "HFAB_NYSTROM_TC")
+                   "HFAB_RACE_GROUP_CHUNKS", "HFAB_NYSTROM_TC")
 
 
 def kernel_switches() -> list[str]:

@@ -201,7 +201,7 @@ inline int forward_group_chunks(const Params& p, int64_t batch) {
                 ": expected a number of key chunks per group from 1 to 4096, or unset (16 or 32 by length)");
     return n;
   }();
-  return forced != 0 ? static_cast<int>(forced) : tc::forward_group_chunks(p.nkc, batch * p.hq);
+  return forced != 0 ? static_cast<int>(forced) : tc::forward_group_chunks(p.nkc, batch * p.hq, p.causal != 0);
 }
 
 inline bool tc_backward_applies(const at::Tensor& q, const Params& p, const c10::Device& device) {

@@ -288,6 +288,28 @@ def test_block_wide_causal_out_kernel_meets_the_same_bounds():
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-1000:]
 
 
+@pytest.mark.parametrize("chunks", ["5", "32"])
+def test_forward_group_sizes_set_by_the_environment_meet_the_same_bounds(chunks):
+    """HFAB_RACE_GROUP_CHUNKS (a subprocess: read once per process) sets the forward's key chunks per group: the
+    forward tests over head dims, lengths (up to 65 chunks: 13 groups of 5, 3 of 32), GQA and padding."""
+    env = {**os.environ, "HFAB_RACE_GROUP_CHUNKS": chunks}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "test_forward_and_gradients_gqa or test_key_padding or test_fewer_queries_than_keys"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-1000:]
+
+
+def test_group_chunks_out_of_range_raise_a_clear_error():
+    env = {**os.environ, "HFAB_RACE_GROUP_CHUNKS": "0"}
+    code = ("import torch, hf_attention_backends as hfab\n"
+            "q = torch.randn(1, 1, 70, 64, device='cuda', dtype=torch.bfloat16)\n"
+            "torch.ops.hfab.race_fwd(q, q, q, hfab.make_planes(4, 4, 64).cuda(), torch.tensor(0.1, device='cuda'),"
+            " None, True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "HFAB_RACE_GROUP_CHUNKS=0" in proc.stderr, proc.stderr[-2000:]
+
+
 def phi_tile_cases():
     """(dq, dk, dv, dbeta) of the tensor-core backward over P = 1..6, D = 32/64/128, fp16 and bf16, GQA, padding, causal
     and not."""
@@ -367,8 +389,8 @@ def test_long_sequence_gradients(dtype, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_in_groups_of_32_chunks(dtype, causal):
     """B=2, Hq=1024, Hkv=256, N=2,113: 34 key chunks in two groups of 32 (the forward takes 32-chunk groups where that
-    still makes 4,096 blocks: tc::forward_group_chunks), the second one ragged; float64 reference as the oracle (the
-    dense one would need 2,048 x N x N)."""
+    still makes 4,096 blocks causal, 2,048 non-causal: tc::forward_group_chunks), the second one ragged; float64
+    reference as the oracle (the dense one would need 2,048 x N x N)."""
     n, hq = 2113, 1024
     q, k, v = make_inputs(2, hq, 256, n, n, 64, dtype=dtype)
     planes, beta = make_planes(4, 4, 64), per_head_beta(hq, 64)

@@ -97,7 +97,7 @@ bool key_states(Params& p, int b, vector<float>& state, vector<float>& z) {
 // call; here only) so that small inputs run other group sizes than the GPU picks for them.
 int forward_group_chunks(const Params& p, int b) {
   const char* v = std::getenv("HFAB_RACE_GROUP_CHUNKS");
-  return v != nullptr ? std::atoi(v) : tc::forward_group_chunks(p.nkc, static_cast<long long>(b) * p.hq);
+  return v != nullptr ? std::atoi(v) : tc::forward_group_chunks(p.nkc, static_cast<long long>(b) * p.hq, p.causal != 0);
 }
 
 // HFAB_RACE_WARP_CAUSAL=0 (read per call here): the block-wide causal out kernel, as on the GPU.
