@@ -59,8 +59,9 @@ def test_tensor_cores_gqa(emulator, causal):
 
 
 @pytest.mark.parametrize("d", [32, 128])
-def test_bfloat16_head_dims(emulator, d):
-    check(emulator, 1, 2, 2, 70, 70, d, causal=True, dtype=torch.bfloat16)
+@pytest.mark.parametrize("causal", [False, True])
+def test_bfloat16_head_dims(emulator, d, causal):
+    check(emulator, 1, 2, 2, 70, 70, d, causal=causal, dtype=torch.bfloat16)
 
 
 def test_float32_cuda_cores(emulator):
