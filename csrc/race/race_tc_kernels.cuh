@@ -1126,7 +1126,7 @@ __device__ __forceinline__ void warp_query_rows_async(const Params& p, const Hea
 // projected), the projection and sigma tables, phi(q) in fp16 into its rows of phq, then [num, den] = phi(q) [A, z]
 // (state_apply_fp16) and out = num / den in 16-byte row stores.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, Tiles<T, D>::kQoTiles == 2 ? 3 : 1)
+__global__ void __launch_bounds__(kThreads, Tiles<T, D>::kQoTiles == 2 ? 4 : 1)
     race_query_out_fwd_kernel(const Params p) {
   constexpr int M = Tiles<T, D>::kQoTiles;
   extern __shared__ __align__(16) char smem_raw[];
