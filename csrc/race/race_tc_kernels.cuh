@@ -141,8 +141,8 @@ struct Tiles {
   static_assert(key_states_bytes <= st_off && query_out_bytes <= bytes, "packed layouts are smaller");
 
   T *x, *xk, *w, *pkt = nullptr, *vt = nullptr;  // xk: x of key rows (x itself but in kCausalOut)
-  T* x1 = nullptr;                                 // kQueryOut's second x tile (kQoTiles = 2)
-  __half* phq1 = nullptr;                          // and its second phq tile
+  T* x1 = nullptr;                                // kQueryOut's second x tile (kQoTiles = 2)
+  __half* phq1 = nullptr;                         // and its second phq tile
   T* xv = nullptr;                                // v rows, row-major, when staged (else load_vt reads global)
   T* ot = nullptr;
   float *sp, *sm, *st = nullptr;
