@@ -73,7 +73,7 @@ struct Tiles {
   // kQueryOut (race_query_out_fwd_kernel, kQoTiles query tiles per step of a warp): x, w, a second x tile (x1) where
   // kQoTiles = 2, kQoTiles phq tiles, the state in fp16 (sth: [feature][d], z in column D; for fp16 inputs its lo
   // part after it, kSplitState), the output rows' staging tile (ot: [64][D + 8], T; in the first phq tile's rows where
-  // they fit, qo_ot_in_phq) and last the sigma tables, left out where P = 4 (query_out_bytes_for).
+  // they fit, ot_in_phq) and last the sigma tables, left out where P = 4 (query_out_bytes_for).
   // kCausalOut (the causal race_group_out_fwd_kernel): every tile, a second x tile (xk, at `bytes`) for the key
   // rows, so that the next chunk's query and key rows both load (cp.async) while this chunk computes, and where
   // sm_80 has room (D <= 64) a tile xv for the next chunk's v rows (row-major; key_chunk transposes it into vt).
@@ -81,7 +81,7 @@ struct Tiles {
   // less shared memory per block than causal_out_bytes) prefetches its next rows: `prefetch`.
   // kCausalWarp (race_causal_out_fwd_kernel): x (query rows), w, then xk (key rows), phq, cw_bufs phk tiles, two xv
   // tiles, cw_bufs staged states sth ([feature][d] fp16, z in column D), ot (in phq's rows where they fit:
-  // cw_ot_in_phq), the exponents (ints: ve [2][4], then se [2][4][2]: the staged states' num and den exponents per
+  // ot_in_phq), the exponents (ints: ve [2][4], then se [2][4][2]: the staged states' num and den exponents per
   // warp) and last the sigma tables, left out where P = 4 (71.5 KB at D = 64: three blocks per SM).
   enum class Use { kAll, kKeyStates, kQueryOut, kCausalOut, kCausalWarp };
   static constexpr bool causal_stages_v = D <= 64;
@@ -95,7 +95,7 @@ struct Tiles {
   static __host__ __device__ int key_states_bytes_for(int planes_per_table) {
     return planes_per_table == 4 ? ks_sp_off : key_states_bytes;
   }
-  static constexpr bool cw_ot_in_phq = kX == kT;  // D = 64: a warp's output rows fit its phq rows
+  static constexpr bool ot_in_phq = kX == kT;  // D = 64: a warp's output rows fit its phq rows (kCausalWarp, kQueryOut)
   // phk and sth copies (by chunk parity): one at D = 64, where it buys a third block per SM at the cost of a second
   // barrier per chunk; two at D = 32 (three blocks either way: registers) and D = 128 (one block either way)
   static constexpr int cw_bufs = D == 64 ? 1 : 2;
@@ -105,7 +105,7 @@ struct Tiles {
   static constexpr int cw_xv_off = cw_phk_off + cw_bufs * kC * kT * 2;
   static constexpr int cw_sth_off = cw_xv_off + 2 * x_bytes;
   static constexpr int cw_ot_off = cw_sth_off + cw_bufs * kS * kX * 2;
-  static constexpr int cw_ve_off = cw_ot_off + (cw_ot_in_phq ? 0 : x_bytes);
+  static constexpr int cw_ve_off = cw_ot_off + (ot_in_phq ? 0 : x_bytes);
   static constexpr int cw_sp_off = cw_ve_off + 6 * kThreads / 32 * 4;
   static constexpr int causal_warp_bytes = cw_sp_off + 2 * table_bytes;
   // kCausalWarp's launch size: without the sigma tables where P = 4
@@ -120,12 +120,11 @@ struct Tiles {
   // once, serve both: the kernel is bound by shared-memory wavefronts), one at D = 128 (its tiles would leave one
   // block per SM)
   static constexpr int kQoTiles = D <= 64 ? 2 : 1;
-  static constexpr bool qo_ot_in_phq = kX == kT;  // D = 64: a warp's output rows fit its phq rows
   static constexpr int qo_x1_off = sp_off;
   static constexpr int qo_phq_off = qo_x1_off + (kQoTiles - 1) * x_bytes;
   static constexpr int qo_sth_off = qo_phq_off + kQoTiles * kC * kT * 2;
   static constexpr int qo_ot_off = qo_sth_off + (kSplitState ? 2 : 1) * kS * kX * 2;
-  static constexpr int qo_sp_off = qo_ot_off + (qo_ot_in_phq ? 0 : x_bytes);
+  static constexpr int qo_sp_off = qo_ot_off + (ot_in_phq ? 0 : x_bytes);
   static constexpr int query_out_bytes = qo_sp_off + 2 * table_bytes;
   // kQueryOut's launch size: without the sigma tables where P = 4
   static __host__ __device__ int query_out_bytes_for(int planes_per_table) {
@@ -167,7 +166,7 @@ struct Tiles {
       phk = reinterpret_cast<__half*>(base + cw_phk_off);
       xv = reinterpret_cast<T*>(base + cw_xv_off);
       sth = reinterpret_cast<__half*>(base + cw_sth_off);
-      ot = reinterpret_cast<T*>(base + (cw_ot_in_phq ? cw_phq_off : cw_ot_off));
+      ot = reinterpret_cast<T*>(base + (ot_in_phq ? cw_phq_off : cw_ot_off));
       ve = reinterpret_cast<int*>(base + cw_ve_off);
       se = ve + 2 * kThreads / 32;
     } else if (use == Use::kKeyStates) {
@@ -177,7 +176,7 @@ struct Tiles {
     } else if (use == Use::kQueryOut) {
       phq = reinterpret_cast<__half*>(base + qo_phq_off);
       sth = reinterpret_cast<__half*>(base + qo_sth_off);
-      ot = qo_ot_in_phq ? reinterpret_cast<T*>(phq) : reinterpret_cast<T*>(base + qo_ot_off);
+      ot = ot_in_phq ? reinterpret_cast<T*>(phq) : reinterpret_cast<T*>(base + qo_ot_off);
       if (kQoTiles == 2) {
         x1 = reinterpret_cast<T*>(base + qo_x1_off);
         phq1 = phq + kC * kT;
