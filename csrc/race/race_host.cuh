@@ -263,7 +263,7 @@ void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, c
                  tc::Tiles<T, D>::bytes, p, device, stream);
   else  // no key tiles: packed, fewer bytes per block
     launch_bytes(op, tc::race_query_out_fwd_kernel<T, D>, dim3(blocks, h, b), tc::kThreads,
-                 tc::Tiles<T, D>::query_out_bytes_for(p.planes_per_table), p, device, stream);
+                 tc::Tiles<T, D>::query_out_bytes, p, device, stream);
 }
 
 // Forward states: per key chunk phi(k)^T v and sum phi(k), then their exclusive prefix sums (slot nkc: total).

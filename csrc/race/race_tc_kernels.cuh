@@ -70,10 +70,9 @@ struct Tiles {
   // the first; fp16, or hi and lo in T), two v tiles xv (row-major; fp16 once a warp has converted its rows, column
   // D = 1: the z column), the two tiles' exponents ve (int [2][4]: one per warp's 16 rows) and last the sigma tables,
   // left out of the launch size where P = 4 (key_states_bytes_for).
-  // kQueryOut (race_query_out_fwd_kernel, kQoTiles query tiles per step of a warp): x, w, a second x tile (x1) where
-  // kQoTiles = 2, kQoTiles phq tiles, the state in fp16 (sth: [feature][d], z in column D; for fp16 inputs its lo
-  // part after it, kSplitState), the output rows' staging tile (ot: [64][D + 8], T; in the first phq tile's rows where
-  // they fit, ot_in_phq) and last the sigma tables, left out where P = 4 (query_out_bytes_for).
+  // kQueryOut (race_query_out_fwd_kernel): x, w, the sigma tables, phq, then the state in fp16 (sth: [feature][d],
+  // z in column D; for fp16 inputs its lo part after it, kSplitState) at phk_off and the output rows (ot: [64][D + 8],
+  // T) after those.
   // kCausalOut (the causal race_group_out_fwd_kernel): every tile, a second x tile (xk, at `bytes`) for the key
   // rows, so that the next chunk's query and key rows both load (cp.async) while this chunk computes, and where
   // sm_80 has room (D <= 64) a tile xv for the next chunk's v rows (row-major; key_chunk transposes it into vt).
@@ -81,7 +80,7 @@ struct Tiles {
   // less shared memory per block than causal_out_bytes) prefetches its next rows: `prefetch`.
   // kCausalWarp (race_causal_out_fwd_kernel): x (query rows), w, then xk (key rows), phq, cw_bufs phk tiles, two xv
   // tiles, cw_bufs staged states sth ([feature][d] fp16, z in column D), ot (in phq's rows where they fit:
-  // ot_in_phq), the exponents (ints: ve [2][4], then se [2][4][2]: the staged states' num and den exponents per
+  // cw_ot_in_phq), the exponents (ints: ve [2][4], then se [2][4][2]: the staged states' num and den exponents per
   // warp) and last the sigma tables, left out where P = 4 (71.5 KB at D = 64: three blocks per SM).
   enum class Use { kAll, kKeyStates, kQueryOut, kCausalOut, kCausalWarp };
   static constexpr bool causal_stages_v = D <= 64;
@@ -95,7 +94,7 @@ struct Tiles {
   static __host__ __device__ int key_states_bytes_for(int planes_per_table) {
     return planes_per_table == 4 ? ks_sp_off : key_states_bytes;
   }
-  static constexpr bool ot_in_phq = kX == kT;  // D = 64: a warp's output rows fit its phq rows (kCausalWarp, kQueryOut)
+  static constexpr bool cw_ot_in_phq = kX == kT;  // D = 64: a warp's output rows fit its phq rows
   // phk and sth copies (by chunk parity): one at D = 64, where it buys a third block per SM at the cost of a second
   // barrier per chunk; two at D = 32 (three blocks either way: registers) and D = 128 (one block either way)
   static constexpr int cw_bufs = D == 64 ? 1 : 2;
@@ -105,7 +104,7 @@ struct Tiles {
   static constexpr int cw_xv_off = cw_phk_off + cw_bufs * kC * kT * 2;
   static constexpr int cw_sth_off = cw_xv_off + 2 * x_bytes;
   static constexpr int cw_ot_off = cw_sth_off + cw_bufs * kS * kX * 2;
-  static constexpr int cw_ve_off = cw_ot_off + (ot_in_phq ? 0 : x_bytes);
+  static constexpr int cw_ve_off = cw_ot_off + (cw_ot_in_phq ? 0 : x_bytes);
   static constexpr int cw_sp_off = cw_ve_off + 6 * kThreads / 32 * 4;
   static constexpr int causal_warp_bytes = cw_sp_off + 2 * table_bytes;
   // kCausalWarp's launch size: without the sigma tables where P = 4
@@ -116,23 +115,10 @@ struct Tiles {
   // leaves too little room for an 11-bit state (S = 2, N = 1,100: 2.06x the reference's error, the tests' bound 2x);
   // the same for the causal per-warp kernel's chunk scores (race_causal_out_fwd_kernel: 2.07x)
   static constexpr bool kSplitState = std::is_same_v<T, __half>;
-  // Query tiles a warp takes per step in race_query_out_fwd_kernel: two where D <= 64 (the state's B fragments, loaded
-  // once, serve both: the kernel is bound by shared-memory wavefronts), one at D = 128 (its tiles would leave one
-  // block per SM)
-  static constexpr int kQoTiles = D <= 64 ? 2 : 1;
-  static constexpr int qo_x1_off = sp_off;
-  static constexpr int qo_phq_off = qo_x1_off + (kQoTiles - 1) * x_bytes;
-  static constexpr int qo_sth_off = qo_phq_off + kQoTiles * kC * kT * 2;
-  static constexpr int qo_ot_off = qo_sth_off + (kSplitState ? 2 : 1) * kS * kX * 2;
-  static constexpr int qo_sp_off = qo_ot_off + (ot_in_phq ? 0 : x_bytes);
-  static constexpr int query_out_bytes = qo_sp_off + 2 * table_bytes;
-  // kQueryOut's launch size: without the sigma tables where P = 4
-  static __host__ __device__ int query_out_bytes_for(int planes_per_table) {
-    return planes_per_table == 4 ? qo_sp_off : query_out_bytes;
-  }
+  static constexpr int qo_ot_off = phk_off + (kSplitState ? 2 : 1) * kS * kX * 2;
+  static constexpr int query_out_bytes = qo_ot_off + x_bytes;
   static_assert(cw_phq_off % 16 == 0 && cw_xv_off % 16 == 0 && cw_sth_off % 16 == 0 && cw_ot_off % 16 == 0 &&
                 cw_sp_off % 16 == 0, "16-byte aligned tiles");
-  static_assert(qo_phq_off % 16 == 0 && qo_sth_off % 16 == 0 && qo_sp_off % 16 == 0, "16-byte aligned tiles");
   static_assert(ks_xv_off % 16 == 0 && ks_sp_off % 16 == 0 && qo_ot_off % 16 == 0 && st_off % 16 == 0 &&
                 bytes % 16 == 0 && x_bytes % 16 == 0, "16-byte aligned tiles");
   static_assert(w_off % 16 == 0 && phq_off % 16 == 0 && phk_off % 16 == 0 && pkt_off % 16 == 0 && vt_off % 16 == 0 &&
@@ -140,8 +126,6 @@ struct Tiles {
   static_assert(key_states_bytes <= st_off && query_out_bytes <= bytes, "packed layouts are smaller");
 
   T *x, *xk, *w, *pkt = nullptr, *vt = nullptr;  // xk: x of key rows (x itself but in kCausalOut)
-  T* x1 = nullptr;                                // kQueryOut's second x tile (kQoTiles = 2)
-  __half* phq1 = nullptr;                         // and its second phq tile
   T* xv = nullptr;                                // v rows, row-major, when staged (else load_vt reads global)
   T* ot = nullptr;
   float *sp, *sm, *st = nullptr;
@@ -155,10 +139,7 @@ struct Tiles {
                                   : (use == Use::kCausalWarp ? reinterpret_cast<T*>(base + cw_xk_off) : x)),
         w(reinterpret_cast<T*>(base + w_off)),
         sp(reinterpret_cast<float*>(
-            base + (use == Use::kKeyStates    ? ks_sp_off
-                    : use == Use::kCausalWarp ? cw_sp_off
-                    : use == Use::kQueryOut   ? qo_sp_off
-                                              : sp_off))),
+            base + (use == Use::kKeyStates ? ks_sp_off : (use == Use::kCausalWarp ? cw_sp_off : sp_off)))),
         sm(sp + kC * kLPMax),
         prefetch(use != Use::kAll) {
     if (use == Use::kCausalWarp) {
@@ -166,7 +147,7 @@ struct Tiles {
       phk = reinterpret_cast<__half*>(base + cw_phk_off);
       xv = reinterpret_cast<T*>(base + cw_xv_off);
       sth = reinterpret_cast<__half*>(base + cw_sth_off);
-      ot = reinterpret_cast<T*>(base + (ot_in_phq ? cw_phq_off : cw_ot_off));
+      ot = reinterpret_cast<T*>(base + (cw_ot_in_phq ? cw_phq_off : cw_ot_off));
       ve = reinterpret_cast<int*>(base + cw_ve_off);
       se = ve + 2 * kThreads / 32;
     } else if (use == Use::kKeyStates) {
@@ -174,13 +155,9 @@ struct Tiles {
       xv = reinterpret_cast<T*>(base + ks_xv_off);
       ve = reinterpret_cast<int*>(base + ks_ve_off);
     } else if (use == Use::kQueryOut) {
-      phq = reinterpret_cast<__half*>(base + qo_phq_off);
-      sth = reinterpret_cast<__half*>(base + qo_sth_off);
-      ot = ot_in_phq ? reinterpret_cast<T*>(phq) : reinterpret_cast<T*>(base + qo_ot_off);
-      if (kQoTiles == 2) {
-        x1 = reinterpret_cast<T*>(base + qo_x1_off);
-        phq1 = phq + kC * kT;
-      }
+      phq = reinterpret_cast<__half*>(base + phq_off);
+      sth = reinterpret_cast<__half*>(base + phk_off);
+      ot = reinterpret_cast<T*>(base + qo_ot_off);
     } else {
       pkt = reinterpret_cast<T*>(base + pkt_off);
       vt = reinterpret_cast<T*>(base + vt_off);
@@ -1068,24 +1045,20 @@ __device__ void stage_state_fp16(const Params& p, long long bh, Tiles<T, D>& s) 
   __syncthreads();
 }
 
-// acc[i] += phi(q) [A, z] for the warp's 16 rows of phq[i] (i < M) and the fp16 state of stage_state_fp16 (B by
-// ldmatrix.trans from [feature][d], once for the M tiles; its hi, then its lo part where split).
-template <typename T, int D, int M>
-__device__ __forceinline__ void state_apply_fp16(const Tiles<T, D>& s, __half* const (&phq)[M],
-                                                 float (&acc)[M][D / 8 + 1][4]) {
+// acc += phi(q) [A, z] for the warp's 16 rows of phq and the fp16 state of stage_state_fp16 (B by ldmatrix.trans
+// from [feature][d]; its hi, then its lo part where split).
+template <typename T, int D>
+__device__ __forceinline__ void state_apply_fp16(const Tiles<T, D>& s, float (&acc)[D / 8 + 1][4]) {
   constexpr int kX = D + 8;
   const int lane = threadIdx.x % 32, r0 = (threadIdx.x / 32) * 16;
 #pragma unroll
   for (int kk = 0; kk < kS / 16; ++kk) {
-    uint32_t a[M][4];
-#pragma unroll
-    for (int i = 0; i < M; ++i) mma::load_a(a[i], phq[i], kT, r0, kk * 16, lane);
+    uint32_t a[4];
+    mma::load_a(a, s.phq, kT, r0, kk * 16, lane);
 #pragma unroll
     for (int part = 0; part < (Tiles<T, D>::kSplitState ? 2 : 1); ++part)
-      mma::for_each_b_trans<D / 8 + 1>(s.sth + part * kS * kX, kX, kk * 16, lane, [&](int n, const uint32_t (&b)[2]) {
-#pragma unroll
-        for (int i = 0; i < M; ++i) mma::m16n8k16(acc[i][n], a[i], b, __half{});
-      });
+      mma::for_each_b_trans<D / 8 + 1>(s.sth + part * kS * kX, kX, kk * 16, lane,
+                                       [&](int n, const uint32_t (&b)[2]) { mma::m16n8k16(acc[n], a, b, __half{}); });
   }
 }
 
@@ -1111,69 +1084,44 @@ __device__ __forceinline__ void store_out_rows(const Params& p, const float (&ac
   }
 }
 
-// Starts loading (cp.async, one committed group) the warp's 16 rows of query tile m into its rows of x ([64][D + 8]).
+// Starts loading (cp.async, one committed group) the warp's 16 rows of query tile m into its rows of s.x.
 template <typename T, int D>
-__device__ __forceinline__ void warp_query_rows_async(const Params& p, const Heads<T>& hd, int m, T* x) {
+__device__ __forceinline__ void warp_query_rows_async(const Params& p, const Heads<T>& hd, int m, Tiles<T, D>& s) {
   const int r0 = (threadIdx.x / 32) * 16, q0 = m * kC + r0;
-  mma::load_rows_async<16, D, 32, true>(x + r0 * (D + 8), hd.q, p.sq.n, q0,
+  mma::load_rows_async<16, D, 32, true>(s.x + r0 * (D + 8), hd.q, p.sq.n, q0,
                                         [q0, nq = p.nq](int r) { return q0 + r < nq; });
 }
 
 // Non-causal: per (group of kGroup query tiles, q head, batch), out from the total key state. After the state is
-// staged each warp walks its 16 rows of every tile on its own, with no block barrier, kQoTiles tiles at a time (the
-// state's B fragments loaded once for them): its x rows by cp.async (those of tile m + kQoTiles once these are
-// projected), the projection and sigma tables, phi(q) in fp16 into its rows of phq, then [num, den] = phi(q) [A, z]
-// (state_apply_fp16) and out = num / den in 16-byte row stores.
+// staged each warp walks its 16 rows of every tile on its own, with no block barrier: its x rows by cp.async (those
+// of the next tile once these are projected), the projection and sigma tables, phi(q) in fp16 into its rows of phq,
+// then [num, den] = phi(q) [A, z] (state_apply_fp16) and out = num / den in 16-byte row stores.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, Tiles<T, D>::kQoTiles == 2 ? 4 : 1)
-    race_query_out_fwd_kernel(const Params p) {
-  constexpr int M = Tiles<T, D>::kQoTiles;
+__global__ void __launch_bounds__(kThreads, 1) race_query_out_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
   Tiles<T, D> s(smem_raw, Tiles<T, D>::Use::kQueryOut);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
   T* out = static_cast<T*>(p.out) + hd.bh * p.nq * D;
   const int first = grp * kGroup, end = min(p.nqt, first + kGroup);
-  T* xs[M] = {s.x};  // tile slots: x rows and phi(q)
-  __half* phs[M] = {s.phq};
-  if constexpr (M == 2) {
-    xs[1] = s.x1;
-    phs[1] = s.phq1;
-  }
-#pragma unroll
-  for (int i = 0; i < M; ++i)
-    if (first + i < end) warp_query_rows_async<T, D>(p, hd, first + i, xs[i]);
+  warp_query_rows_async<T, D>(p, hd, first, s);
   init_constants<T, D>(p, s);
   stage_state_fp16<T, D>(p, hd.bh, s);
-  for (int m = first; m < end; m += M) {
-    const int tiles = min(M, end - m);  // block-uniform
+  for (int m = first; m < end; ++m) {
     mma::cp_async_wait_all();
     __syncwarp();
-#pragma unroll
-    for (int i = 0; i < M; ++i) {
-      const int mi = m + i;
-      if (i >= tiles) continue;
-      const auto next_queries = [&] {  // once the warp's x rows of tile mi are read
-        if (mi + M < end) warp_query_rows_async<T, D>(p, hd, mi + M, xs[i]);
-      };
-      warp_features<T, D>(p, s, xs[i], hd.beta, next_queries, [&](int r) { return mi * kC + r < p.nq; },
-                          [&](int, int r, int item, const auto& val) {
-                            constexpr int R = sizeof(val) / sizeof(val[0]);
-                            store_halves<R>(phs[i] + r * kT + item * R, val);
-                          });
-    }
+    const auto next_queries = [&] {  // once the warp's x rows are read
+      if (m + 1 < end) warp_query_rows_async<T, D>(p, hd, m + 1, s);
+    };
+    warp_features<T, D>(p, s, s.x, hd.beta, next_queries, [&](int r) { return m * kC + r < p.nq; },
+                        [&](int, int r, int item, const auto& val) {
+                          constexpr int R = sizeof(val) / sizeof(val[0]);
+                          store_halves<R>(s.phq + r * kT + item * R, val);
+                        });
     __syncwarp();
-    if (tiles == M) {
-      float acc[M][D / 8 + 1][4] = {};
-      state_apply_fp16<T, D, M>(s, phs, acc);
-#pragma unroll
-      for (int i = 0; i < M; ++i) store_out_rows<T, D>(p, acc[i], (m + i) * kC, s.ot, out);  // phq read: ot free
-    } else {  // the group's last tile alone (an odd number of tiles)
-      float acc[1][D / 8 + 1][4] = {};
-      __half* const last[1] = {phs[0]};
-      state_apply_fp16<T, D, 1>(s, last, acc);
-      store_out_rows<T, D>(p, acc[0], m * kC, s.ot, out);
-    }
+    float acc[D / 8 + 1][4] = {};
+    state_apply_fp16<T, D>(s, acc);
+    store_out_rows<T, D>(p, acc, m * kC, s.ot, out);
   }
 }
 
@@ -1396,7 +1344,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) race_causal_out_fwd
   if (end - 1 < p.kappa0) return;  // only keys before the first query: no tile to write
   const auto key0 = [&p](int kappa) { return p.s0 + kappa * kC; };
   const auto queries = [&](int kappa) {  // the warp's rows of chunk kappa's query tile, or an empty group
-    if (kappa >= p.kappa0) warp_query_rows_async<T, D>(p, hd, kappa - p.kappa0, s.x);
+    if (kappa >= p.kappa0) warp_query_rows_async<T, D>(p, hd, kappa - p.kappa0, s);
     else mma::cp_async_commit();
   };
   unsigned flags = warp_flags(lane_key_ok(p, b, key0(first) + r0));  // the warp's key rows of chunk kappa
