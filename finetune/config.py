@@ -13,7 +13,8 @@ calibrate: {enabled: true, batches: 2, race_betas: null, stieltjes_orders: null,
             steps: 0, lr: 0.01}
 data:      {source: news | file.jsonl | file.txt | folder, documents: 256, eval_documents: 16, min_chars: 0,
             text_field: text, seq_len: 256, batch_size: 8, eval_batch_size: 8, train_unit: rows | sentences,
-            eval_unit: rows | sentences}
+            eval_unit: rows | sentences, teacher_rows: 0, teacher_prompt: 32, teacher_temperature: 1.0,
+            teacher_batch: 64}
 transfer:  {steps: 100, lr: 0.01, train: [], train_lr: null}  # train: extra parameter-name substrings, e.g.
                                                               # [q_proj]; train_lr: their lr (null = lr)
 fine_tune: {steps: 200, lr: 1e-4, method: lora | full | none, lora_r: 8, lora_alpha: 16,
@@ -77,7 +78,10 @@ class DataSpec:
     """Local text only; see ``finetune.data.load_documents`` for the accepted sources. ``train_unit`` (training
     documents) and ``eval_unit`` (held-out documents): each document cut into rows of ``seq_len`` tokens
     (``rows``), or one row per sentence (``sentences``, ``finetune.data.split_sentences``; a sentence longer
-    than ``seq_len`` continues in the next row)."""
+    than ``seq_len`` continues in the next row). ``teacher_rows`` (causal LMs): that many extra training rows
+    sampled from the softmax teacher, each prompted by the first ``teacher_prompt`` tokens of a training row and
+    continued to ``seq_len`` at ``teacher_temperature``, ``teacher_batch`` rows at a time (``finetune.synthetic``;
+    cached in ``output_dir``). More text where the corpus is small: fine-tuning otherwise repeats it."""
     source: str = "news"
     documents: int = 64
     eval_documents: int = 8
@@ -88,6 +92,10 @@ class DataSpec:
     eval_batch_size: int = 4
     train_unit: str = "rows"
     eval_unit: str = "rows"
+    teacher_rows: int = 0
+    teacher_prompt: int = 32
+    teacher_temperature: float = 1.0
+    teacher_batch: int = 64
 
 
 @dataclass
@@ -301,6 +309,15 @@ def _check(r: Recipe) -> None:
     if r.data.seq_len < 2:
         raise ConfigError(f"data.seq_len={r.data.seq_len} must be >= 2 (a next-token target needs two tokens)")
     _positive("data.min_chars", r.data.min_chars, zero_ok=True)
+    _positive("data.teacher_rows", r.data.teacher_rows, zero_ok=True)
+    for key in ("teacher_prompt", "teacher_temperature", "teacher_batch"):
+        _positive(f"data.{key}", getattr(r.data, key))
+    if r.data.teacher_rows and r.data.teacher_prompt >= r.data.seq_len:
+        raise ConfigError(f"data.teacher_prompt={r.data.teacher_prompt} must be < data.seq_len={r.data.seq_len} "
+                          "(the teacher continues each prompt to seq_len tokens)")
+    if r.data.teacher_rows and r.data.train_unit != "rows":
+        raise ConfigError(f"data.teacher_rows={r.data.teacher_rows} needs data.train_unit: rows (sampled rows are "
+                          f"seq_len tokens long), got {r.data.train_unit!r}")
     for stage in ("transfer", "fine_tune"):
         spec = getattr(r, stage)
         _positive(f"{stage}.steps", spec.steps, zero_ok=True)

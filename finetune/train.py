@@ -7,7 +7,8 @@
 Steps (the recipe, ``finetune/config.py``, says which run):
 
 1. load the model (the softmax teacher, kept frozen) and local text; rows never mix documents
-   (``finetune/data.py``); ``data.eval_documents`` documents are held out;
+   (``finetune/data.py``); ``data.eval_documents`` documents are held out; ``data.teacher_rows`` more training
+   rows are sampled from the teacher (``finetune/synthetic.py``);
 2. ``hf_attention_backends.convert`` a copy (the student); optionally ``calibrate`` it;
 3. attention transfer (``transfer.steps``): only ``hfab_*`` parameters and those whose name contains a
    ``transfer.train`` entry are trained, so that each converted layer's attention output matches softmax on
@@ -64,6 +65,7 @@ from .config import ConfigError, Recipe, load_recipe
 from .data import RowDataset, load_documents, split_documents, texts_in_unit, tokenize_rows
 from .logs import RunLog, plot_curves, stage_rank, tensorboard_writer_class
 from .models import load_model
+from .synthetic import concat_rows, teacher_rows
 
 
 def token_mean(accelerator, total, count):
@@ -438,11 +440,22 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     if not causal and ft.steps and (ft.lm_weight or ft.kl_weight):
         raise ConfigError(f"model.name={recipe.model.name!r} is an encoder without logits: fine_tune.lm_weight and "
                           "kl_weight must be 0 (use hidden_weight or embedding_weight)")
+    if not causal and d.teacher_rows:
+        raise ConfigError(f"model.name={recipe.model.name!r} is an encoder: data.teacher_rows={d.teacher_rows} "
+                          "samples text from a causal LM teacher; set it to 0")
     documents = load_documents(d.source, d.documents + d.eval_documents, min_chars=d.min_chars,
                                text_field=d.text_field)
     train_docs, eval_docs = split_documents(documents, d.eval_documents)
-    train_rows = RowDataset(tokenize_rows(texts_in_unit(train_docs, d.train_unit), tokenizer, d.seq_len))
+    train_tokens = tokenize_rows(texts_in_unit(train_docs, d.train_unit), tokenizer, d.seq_len)
     eval_rows = RowDataset(tokenize_rows(texts_in_unit(eval_docs, d.eval_unit), tokenizer, d.seq_len))
+    c = recipe.convert
+    student = hfab.convert(teacher, c.backend, c.layers, **c.options)
+    teacher.to(accelerator.device).requires_grad_(False)
+    student.to(accelerator.device)
+    if d.teacher_rows:
+        train_tokens = concat_rows(train_tokens, teacher_rows(accelerator, teacher, tokenizer, train_tokens, d,
+                                                              d.seq_len, recipe.seed, out_dir, log))
+    train_rows = RowDataset(train_tokens)
     # own generators: iterating a loader draws its base seed from them, not from the global RNG
     train_loader = torch.utils.data.DataLoader(train_rows, batch_size=d.batch_size,
                                                sampler=EpochSampler(len(train_rows), recipe.seed),
@@ -450,12 +463,8 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     eval_loader = torch.utils.data.DataLoader(eval_rows, batch_size=d.eval_batch_size,
                                               generator=torch.Generator().manual_seed(recipe.seed))
     log.event(event="data", train_rows=len(train_rows), eval_rows=len(eval_rows), train_documents=len(train_docs),
-              eval_documents=len(eval_docs), train_unit=d.train_unit, eval_unit=d.eval_unit)
-
-    c = recipe.convert
-    student = hfab.convert(teacher, c.backend, c.layers, **c.options)
-    teacher.to(accelerator.device).requires_grad_(False)
-    student.to(accelerator.device)
+              eval_documents=len(eval_docs), train_unit=d.train_unit, eval_unit=d.eval_unit,
+              teacher_rows=d.teacher_rows)
 
     def evaluate_fn(model):
         return evaluate(accelerator, model, teacher, eval_loader, causal, t.eval_batches)

@@ -19,6 +19,7 @@ from finetune.data import (ByteTokenizer, encode, load_documents, split_document
 from finetune.models import load_model
 from finetune.checkpoint import EpochSampler, check_compatible, list_checkpoints, resolve_resume
 from finetune.logs import CSV_COLUMNS, RunLog, read_csv
+from finetune.synthetic import concat_rows, pick_prompts, sample_rows
 from finetune.train import (BestKeeper, drop_unused, embedding_loss, lr_groups, next_token_nll, run, run_stage,
                             trainable)
 
@@ -52,6 +53,10 @@ def test_shipped_recipes_validate(name):
     ({"transfer": {"train": ["q_proj"], "train_lr": "fast"}}, r"transfer.train_lr must be a float, got str"),
     ({"data": {"train_unit": "pages"}}, r"data.train_unit='pages' is not supported; supported: rows, sentences"),
     ({"train": {"keep_best": True}}, r"train.keep_best=true needs train.eval_every > 0 and fine_tune.steps > 0"),
+    ({"data": {"teacher_rows": 4, "seq_len": 32, "teacher_prompt": 32}}, r"data.teacher_prompt=32 must be < data.seq"),
+    ({"data": {"teacher_rows": 4, "train_unit": "sentences"}}, r"data.teacher_rows=4 needs data.train_unit: rows"),
+    ({"data": {"teacher_rows": -1}}, r"data.teacher_rows=-1 must be >= 0"),
+    ({"data": {"teacher_temperature": 0}}, r"data.teacher_temperature=0.0 must be > 0"),
 ])
 def test_config_validation_errors(data, match):
     with pytest.raises(ConfigError, match=match):
@@ -335,6 +340,76 @@ def test_stage_without_trainable_parameters_is_refused():
     with pytest.raises(ConfigError, match="no parameter is trainable"):
         run_stage("transfer", Accelerator(cpu=True), student, trainable(student), None, loader(tok), 2, 0.1,
                   Recipe(), None, None)
+
+
+def tiny_rows(seq_len=32, documents=4):
+    return tokenize_rows(load_documents("news", documents), ByteTokenizer(), seq_len)
+
+
+def test_teacher_rows_continue_their_prompts_and_repeat_with_the_seed():
+    model, tokenizer, _ = load_model("tiny_llama")
+    rows = tiny_rows()
+    prompts = pick_prompts(rows, 10, 8, seed=0)
+    assert prompts.shape == (10, 8)
+    real = {tuple(r[:8].tolist()) for r, m in zip(rows["input_ids"], rows["attention_mask"]) if m[:8].all()}
+    assert {tuple(p.tolist()) for p in prompts} <= real
+    a = sample_rows(model, prompts, 32, batch=4, seed=1, pad_token_id=0, progress=False)
+    c = sample_rows(model, prompts, 32, batch=4, seed=2, pad_token_id=0, progress=False)
+    assert a["input_ids"].shape == (10, 32) and torch.equal(a["input_ids"][:, :8], prompts)
+    assert torch.equal(a["attention_mask"], torch.ones(10, 32, dtype=torch.long))
+    assert torch.equal(a["labels"], a["input_ids"])
+    assert not torch.equal(a["input_ids"], c["input_ids"])
+    assert torch.equal(a["input_ids"], sample_rows(model, prompts, 32, batch=4, seed=1, pad_token_id=0,
+                                                   progress=False)["input_ids"])
+    merged = concat_rows(rows, a)
+    assert merged.keys() == a.keys() and len(merged["input_ids"]) == len(rows["input_ids"]) + 10
+
+
+class EosAfter(torch.nn.Module):
+    """A stand-in causal LM whose next token is 5 for ``k`` steps after the prompt, then always eos (2)."""
+
+    def __init__(self, k: int, vocab: int = 8):
+        super().__init__()
+        self.k, self.vocab = k, vocab
+        self.dummy = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True):
+        step = 0 if past_key_values is None else past_key_values + 1
+        logits = torch.full((*input_ids.shape, self.vocab), -1e4)
+        logits[..., 5 if step < self.k else 2] = 0.0
+        return type("Out", (), {"logits": logits, "past_key_values": step})()
+
+
+def test_teacher_rows_after_a_sampled_eos_are_padding():
+    prompts = torch.tensor([[1, 7, 7], [1, 6, 6]])
+    rows = sample_rows(EosAfter(2), prompts, 8, pad_token_id=0, eos_token_id=2, progress=False)
+    assert rows["input_ids"].tolist() == [[1, 7, 7, 5, 5, 2, 0, 0], [1, 6, 6, 5, 5, 2, 0, 0]]
+    assert rows["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1, 0, 0]] * 2
+    assert rows["labels"][:, 6:].eq(-100).all() and rows["labels"][:, :6].equal(rows["input_ids"][:, :6])
+    with pytest.raises(ValueError, match="data.teacher_prompt=40: no training row"):
+        pick_prompts(tiny_rows(seq_len=32), 1, 40, seed=0)
+
+
+def test_run_trains_on_teacher_rows_and_reads_them_back_on_a_second_run(tmp_path):
+    def recipe():
+        r = smoke_recipe(tmp_path / "run", save_every=0)
+        r.transfer.steps, r.fine_tune.steps, r.calibrate.enabled, r.train.plot = 1, 1, False, False
+        r.data.teacher_rows, r.data.teacher_prompt, r.data.teacher_batch = 6, 8, 4
+        return r
+
+    run(recipe())
+    cache = tmp_path / "run" / "teacher_rows.pt"
+    saved = torch.load(cache)
+    assert saved["settings"]["rows"] == 6 and saved["rows"]["input_ids"].shape == (6, 32)
+    events = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    data = next(e for e in events if e.get("event") == "data")
+    train_docs, _ = split_documents(load_documents("news", 8), 2)  # the smoke recipe's documents
+    real_rows = len(tokenize_rows(train_docs, ByteTokenizer(), 32)["input_ids"])
+    assert data["teacher_rows"] == 6 and data["train_rows"] == real_rows + 6
+    assert sum(e.get("event") == "teacher_rows" for e in events) == 1
+    stamp = cache.stat().st_mtime_ns
+    run(recipe())
+    assert cache.stat().st_mtime_ns == stamp, "the second run sampled again instead of reading the cache"
 
 
 @pytest.mark.slow
