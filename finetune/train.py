@@ -26,7 +26,7 @@ processes with batch b train like one with batch P·b (``finetune/README.md``). 
 ``log.jsonl`` (every event, calibration report included),
 ``tensorboard/`` (``train.tensorboard``), ``curves.png`` (``train.plot``), ``checkpoints/<stage>-<step>/``
 (``train.save_every``; resume with ``--resume <folder>|latest``, ``finetune/checkpoint.py``),
-``calibration.json``, ``transfer/`` and ``final/`` (``save_pretrained`` of the converted model, loadable with
+``calibration.json``, ``teacher_rows.pt`` (``data.teacher_rows``), ``transfer/`` and ``final/`` (``save_pretrained`` of the converted model, loadable with
 ``hf_attention_backends.from_pretrained``), ``probe.pt`` (the first held-out batch and the final model's
 output on it) and ``summary.json``. Evaluation on held-out rows: perplexity for causal LMs, mean-pooled
 embedding cosine to the teacher for encoders; before conversion (teacher), after conversion, after each stage.
