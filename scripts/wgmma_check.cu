@@ -1,12 +1,12 @@
 // Checks csrc/common/wgmma.cuh on an sm_90 GPU before any kernel relies on it: one warpgroup computes D = A B
-// (64 x 64 x 16, fp16 and bf16, B K-major and MN-major) from tiles it wrote into shared memory as a grid of core
-// matrices (8 rows x 16 bytes; rows of 8 core matrices 256 bytes apart, k (or, MN-major, n) columns of them 128
-// apart), and every accumulator register is compared with the float64 product at the position wgmma.cuh's comment
-// gives it. Each case runs with both assignments of the two core-matrix strides to each descriptor's leading and
+// (64 x 64 x 16, fp16 and bf16, B K-major and MN-major; tests/ops/emulation/wgmma_product.cuh, which the emulator's
+// test runs too), and every accumulator register is compared with the float64 product at the position wgmma.cuh's
+// comment gives it. Each case runs with both assignments of the two core-matrix strides to each descriptor's leading and
 // stride fields (four runs); the output says which the hardware reads, and the exit status is 0 only if, in every
 // case, exactly one run gives the exact product (small integers: every product and sum is exact in fp32).
 //
-//   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Icsrc scripts/wgmma_check.cu -o /tmp/wgmma_check
+//   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Icsrc -Itests/ops/emulation scripts/wgmma_check.cu \
+//     -o /tmp/wgmma_check
 //   /tmp/wgmma_check
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -18,45 +18,11 @@
 #include <vector>
 
 #include "common/wgmma.cuh"
+#include "wgmma_product.cuh"
 
 namespace {
 
-constexpr int kM = 64, kN = 64, kK = 16;
-constexpr uint32_t kRowCores = 256;  // bytes between core matrices 8 rows apart (m, or n for a K-major B)
-constexpr uint32_t kColCores = 128;  // bytes between core matrices 8 columns apart (k, or n for an MN-major B)
-
-// Element index (in 16-bit units) of (row, col) of a tile whose 16-byte core-matrix rows run along col.
-__host__ __device__ int core_index(int row, int col) {
-  return ((row / 8) * kRowCores + (col / 8) * kColCores + (row % 8) * 16 + (col % 8) * 2) / 2;
-}
-
-// Element index of (k, n) of an MN-major tile: core matrices of 8 k rows x 8 n values, 8 n apart at kRowCores.
-__host__ __device__ int mn_major_index(int k, int n) {
-  return ((n / 8) * kRowCores + (k / 8) * kColCores + (k % 8) * 16 + (n % 8) * 2) / 2;
-}
-
-// a: row-major m x k. b: n x k (K-major, TRANS_B = false) or k x n (MN-major), row-major. The descriptors' leading
-// and stride fields: a_fields, b_fields. out: the 128 threads' 32 accumulators each, in register order.
-template <typename T, bool TRANS_B>
-__global__ void product(const T* a, const T* b, float* out, uint2 a_fields, uint2 b_fields) {
-  __shared__ __align__(128) T sa[kM * kK];
-  __shared__ __align__(128) T sb[kN * kK];
-  for (int e = threadIdx.x; e < kM * kK; e += blockDim.x) sa[core_index(e / kK, e % kK)] = a[e];
-  for (int e = threadIdx.x; e < kN * kK; e += blockDim.x) {
-    if (TRANS_B) sb[mn_major_index(e / kN, e % kN)] = b[e];
-    else sb[core_index(e / kK, e % kK)] = b[e];
-  }
-  hfab::wgmma::fence_shared_for_async();
-  __syncthreads();
-  float d[32];
-  for (float& x : d) x = 0.f;
-  hfab::wgmma::fence();
-  hfab::wgmma::m64n64k16<T, TRANS_B>(d, hfab::wgmma::descriptor(sa, a_fields.x, a_fields.y),
-                                     hfab::wgmma::descriptor(sb, b_fields.x, b_fields.y), false);
-  hfab::wgmma::commit_group();
-  hfab::wgmma::wait_group<0>();
-  for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i];
-}
+using namespace wgmma_check;
 
 #define CHECK(call)                                                                                          \
   do {                                                                                                       \
@@ -84,7 +50,7 @@ int mismatches(uint2 a_fields, uint2 b_fields, std::mt19937& rng, T (*to_t)(floa
   CHECK(cudaMalloc(&dout, 128 * 32 * sizeof(float)));
   CHECK(cudaMemcpy(da, at.data(), at.size() * sizeof(T), cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(db, bt.data(), bt.size() * sizeof(T), cudaMemcpyHostToDevice));
-  product<T, TRANS_B><<<1, 128>>>(da, db, dout, a_fields, b_fields);
+  product<T, TRANS_B><<<1, 128, kSharedBytes>>>(da, db, dout, a_fields, b_fields);
   CHECK(cudaGetLastError());
   std::vector<float> out(128 * 32);
   CHECK(cudaMemcpy(out.data(), dout, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
@@ -93,9 +59,9 @@ int mismatches(uint2 a_fields, uint2 b_fields, std::mt19937& rng, T (*to_t)(floa
   CHECK(cudaFree(dout));
   int bad = 0;
   for (int tid = 0; tid < 128; ++tid) {
-    const int w = tid / 32, g = (tid % 32) / 4, t = tid % 4;
     for (int i = 0; i < 32; ++i) {
-      const int row = 16 * w + g + 8 * ((i % 4) / 2), col = 8 * (i / 4) + 2 * t + i % 2;
+      int row, col;
+      accumulator_position(tid, i, row, col);
       double ref = 0.0;
       for (int k = 0; k < kK; ++k) ref += double(a[row * kK + k]) * (TRANS_B ? b[k * kN + col] : b[col * kK + k]);
       bad += out[tid * 32 + i] != ref;

@@ -31,8 +31,9 @@ def cuda_include():
 
 
 def _sources(name):
-    own = [os.path.join(HERE, f"{name}_emulation.cpp"), os.path.join(HERE, "cuda_on_cpu.h"),
-           os.path.join(HERE, "harness.h"), os.path.join(HERE, "common", "ptx.cuh")]
+    own = [os.path.join(HERE, f"{name}_emulation.cpp")] + sorted(
+        glob.glob(os.path.join(HERE, "*.h")) + glob.glob(os.path.join(HERE, "*.cuh")) +
+        glob.glob(os.path.join(HERE, "common", "*.cuh")))
     return own + sorted(glob.glob(os.path.join(CSRC, "common", "*.cuh")) +
                         glob.glob(os.path.join(CSRC, name, "*_kernels.cuh")))
 
