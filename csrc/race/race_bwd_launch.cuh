@@ -35,7 +35,7 @@ void backward_kernels(const char* op, Params& p, int64_t batch, int64_t hkv, boo
       const int groups = tc_query_groups(p);
       launch_bytes(op, phi_tile_enabled() ? tc::race_group_qstate_bwd_kernel<T, D, true>
                                           : tc::race_group_qstate_bwd_kernel<T, D, false>,
-                   dim3(groups, hq, b), tc::kThreads, tc::DkvTiles<T, D>::bytes, p, device, stream);
+                   dim3(groups, hq, b), tc::kThreads, tc::Tiles<T, D>::query_state_bytes, p, device, stream);
       race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), hq, b), kThreads, 0, stream>>>(
           p.qstate, p.qz, groups, p.features * D, p.features, p.hq, kSuffix);
       C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -468,13 +468,15 @@ struct DkvTiles {
 
   float *u, *spk, *smk, *w, *g, *chat, *inv, *rowpart;
 
-  __device__ explicit DkvTiles(char* base)
-      : u(reinterpret_cast<float*>(base + u_off)),
-        spk(reinterpret_cast<float*>(base + spk_off)),
-        smk(spk + kC * kLPMax),
-        w(reinterpret_cast<float*>(base + (w_in_x ? 0 : wt_off))),
+  // query_state: the query-state kernel's packed layout (Tiles' kQueryState: g and the per-row values only; u, the
+  // key sigma tables and w null).
+  __device__ explicit DkvTiles(char* base, bool query_state = false)
+      : u(query_state ? nullptr : reinterpret_cast<float*>(base + u_off)),
+        spk(query_state ? nullptr : reinterpret_cast<float*>(base + spk_off)),
+        smk(query_state ? nullptr : spk + kC * kLPMax),
+        w(query_state ? nullptr : reinterpret_cast<float*>(base + (w_in_x ? 0 : wt_off))),
         g(reinterpret_cast<float*>(base + Fwd::phq_off)),
-        chat(reinterpret_cast<float*>(base + row_off)),
+        chat(reinterpret_cast<float*>(base + (query_state ? Fwd::qs_rows_off : row_off))),
         inv(chat + kC),
         rowpart(inv + kC) {}
 };
@@ -674,13 +676,13 @@ __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_
 
 // Step (2): per (group, q head, batch), sum_i phi~(q_i) [dO_i, c^_i]^T over the group's query tiles (causal: tiles
 // kappa - kappa0 of key chunks [16 grp, 16 grp + 16); non-causal: tiles [16 grp, 16 grp + 16)) into slot grp of
-// p.qstate / p.qz (groups + 1 slots; race_scan_fwd_kernel with reverse = 1 then makes them suffix sums).
-// (128, 1): with 128 alone ptxas capped sm_80 fp16 D = 32 at 72 registers and spilled 12 bytes.
+// p.qstate / p.qz (groups + 1 slots; race_scan_fwd_kernel with reverse = 1 then makes them suffix sums). Shared
+// memory: Tiles' kQueryState layout (query_state_bytes). (128, 1): with 128 alone ptxas capped sm_80 fp16 D = 32 at 72 registers and spilled 12 bytes.
 template <typename T, int D, bool PHI_TILE = false>
 __global__ void __launch_bounds__(kThreads, 1) race_group_qstate_bwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
-  Tiles<T, D> s(smem_raw);
-  DkvTiles<T, D> kt(smem_raw);
+  Tiles<T, D> s(smem_raw, Tiles<T, D>::Use::kQueryState);
+  DkvTiles<T, D> kt(smem_raw, true);
   const int grp = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const Heads<T> hd(p, h, b);
   const T* dout = static_cast<const T*>(p.dout) + b * p.sdo.b + h * p.sdo.h;

@@ -82,7 +82,10 @@ struct Tiles {
   // tiles, cw_bufs staged states sth ([feature][d] fp16, z in column D), ot (in phq's rows where they fit:
   // cw_ot_in_phq), the exponents (ints: ve [2][4], then se [2][4][2]: the staged states' num and den exponents per
   // warp) and last the sigma tables, left out where P = 4 (71.5 KB at D = 64: three blocks per SM).
-  enum class Use { kAll, kKeyStates, kQueryOut, kCausalOut, kCausalWarp };
+  // kQueryState (the backward's race_group_qstate_bwd_kernel): x, w, the sigma tables, phq or in its place the fp32
+  // phi(q) tile (DkvTiles' g, kC x (kS + 1) floats), then vt, the flags and DkvTiles' per-row values (55.4 KB at D =
+  // 64: four blocks per SM where the dk/dv kernel's 113.8 KB layout left two).
+  enum class Use { kAll, kKeyStates, kQueryOut, kCausalOut, kCausalWarp, kQueryState };
   static constexpr bool causal_stages_v = D <= 64;
   static constexpr int causal_out_bytes = bytes + (causal_stages_v ? 2 : 1) * x_bytes;
   static constexpr int ks_phk_off = sp_off;
@@ -117,6 +120,11 @@ struct Tiles {
   static constexpr bool kSplitState = std::is_same_v<T, __half>;
   static constexpr int qo_ot_off = phk_off + (kSplitState ? 2 : 1) * kS * kX * 2;
   static constexpr int query_out_bytes = qo_ot_off + x_bytes;
+  static constexpr int qs_vt_off = phq_off + kC * (kS + 1) * 4;
+  static constexpr int qs_ok_off = qs_vt_off + kX * kT * 2;
+  static constexpr int qs_rows_off = qs_ok_off + 2 * kC * 4;
+  static constexpr int query_state_bytes = qs_rows_off + 3 * kC * 4;
+  static_assert(qs_vt_off % 16 == 0 && query_state_bytes <= bytes, "kQueryState: aligned, packed");
   static_assert(cw_phq_off % 16 == 0 && cw_xv_off % 16 == 0 && cw_sth_off % 16 == 0 && cw_ot_off % 16 == 0 &&
                 cw_sp_off % 16 == 0, "16-byte aligned tiles");
   static_assert(ks_xv_off % 16 == 0 && ks_sp_off % 16 == 0 && qo_ot_off % 16 == 0 && st_off % 16 == 0 &&
@@ -141,7 +149,7 @@ struct Tiles {
         sp(reinterpret_cast<float*>(
             base + (use == Use::kKeyStates ? ks_sp_off : (use == Use::kCausalWarp ? cw_sp_off : sp_off)))),
         sm(sp + kC * kLPMax),
-        prefetch(use != Use::kAll) {
+        prefetch(use != Use::kAll && use != Use::kQueryState) {
     if (use == Use::kCausalWarp) {
       phq = reinterpret_cast<__half*>(base + cw_phq_off);
       phk = reinterpret_cast<__half*>(base + cw_phk_off);
@@ -154,6 +162,11 @@ struct Tiles {
       phk = reinterpret_cast<__half*>(base + ks_phk_off);
       xv = reinterpret_cast<T*>(base + ks_xv_off);
       ve = reinterpret_cast<int*>(base + ks_ve_off);
+    } else if (use == Use::kQueryState) {
+      phq = reinterpret_cast<__half*>(base + phq_off);
+      vt = reinterpret_cast<T*>(base + qs_vt_off);
+      okq = reinterpret_cast<int*>(base + qs_ok_off);
+      okk = okq + kC;
     } else if (use == Use::kQueryOut) {
       phq = reinterpret_cast<__half*>(base + phq_off);
       sth = reinterpret_cast<__half*>(base + phk_off);
