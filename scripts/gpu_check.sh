@@ -16,7 +16,8 @@
 #                     last build in this tree: a warm GPU machine that receives the tree again keeps build/ and the
 #                     extension, but every copied source looks newer than its object, so a plain build redoes all) | 1 | 0
 #   BUILD_BUDGET_S    cap on the build (default 300); MAX_JOBS parallel nvcc jobs (default: all cores)
-#   RUN_TESTS         1 (default) | 0;  TEST_BUDGET_S cap (default 180);  PYTEST_ARGS extra pytest args
+#   RUN_TESTS         1 (default) | 0;  TEST_BUDGET_S cap (default 180);  PYTEST_ARGS extra pytest args (words:
+#                     split at spaces);  PYTEST_K a -k expression, which may hold spaces ("grad or phi_tile")
 #   PYTEST_PATHS      what pytest collects (default tests; e.g. tests/ops/test_race_cuda.py)
 #   PYTEST_MARK       marker expression (default "cuda"; e.g. "cuda and not slow" skips the sanitizer runs)
 #   BENCH             backends, comma list | all (default) | none
@@ -41,6 +42,7 @@ BUILD_BUDGET_S=${BUILD_BUDGET_S:-300}
 RUN_TESTS=${RUN_TESTS:-1}
 TEST_BUDGET_S=${TEST_BUDGET_S:-180}
 PYTEST_ARGS=${PYTEST_ARGS:-}
+PYTEST_K=${PYTEST_K:-}
 PYTEST_PATHS=${PYTEST_PATHS:-tests}
 PYTEST_MARK=${PYTEST_MARK:-cuda}
 BENCH=${BENCH:-all}
@@ -163,7 +165,7 @@ if [[ $RUN_TESTS == 1 ]]; then
     else
         # shellcheck disable=SC2086  # PYTEST_PATHS and PYTEST_ARGS are lists of words
         timeout -k 10 "$t" "$PY" -m pytest -q -m "$PYTEST_MARK" -p no:cacheprovider $PYTEST_PATHS $PYTEST_ARGS \
-            >"$OUT/pytest.log" 2>&1
+            ${PYTEST_K:+-k "$PYTEST_K"} >"$OUT/pytest.log" 2>&1
         rc=$?
         tail -n 30 "$OUT/pytest.log"
         summary=$(grep -E "passed|failed|error|skipped|no tests ran" "$OUT/pytest.log" | tail -n 1)
