@@ -9,6 +9,7 @@ resumed run trains on the same rows without sampling again.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from pathlib import Path
 from typing import Optional
@@ -59,20 +60,22 @@ def sample_rows(model, prompts: torch.Tensor, seq_len: int, *, temperature: floa
     input_ids = torch.cat(out)
     attention_mask = torch.ones_like(input_ids)
     if eos_token_id is not None:  # the tokens after a sampled eos
-        after = (input_ids[:, plen:] == eos_token_id).long().cumsum(1) - (input_ids[:, plen:] == eos_token_id).long()
-        attention_mask[:, plen:] = (after == 0).long()
+        eos = (input_ids[:, plen:] == eos_token_id).long()
+        attention_mask[:, plen:] = (eos.cumsum(1) - eos == 0).long()
     input_ids = input_ids.masked_fill(attention_mask == 0, pad_token_id)
     return {"input_ids": input_ids, "attention_mask": attention_mask,
             "labels": input_ids.masked_fill(attention_mask == 0, -100)}
 
 
 def teacher_rows(accelerator, teacher, tokenizer, train_rows: dict, spec, seq_len: int, seed: int, cache_dir: Path,
-                 log=None) -> dict:
+                 model_name: str, log=None) -> dict:
     """``spec.teacher_rows`` rows sampled by :func:`sample_rows` from prompts of ``train_rows``
-    (:func:`pick_prompts`), read from ``cache_dir/teacher_rows.pt`` when it holds rows of the same settings,
-    else sampled on the main process and written there; every process returns the same rows."""
-    settings = {"rows": spec.teacher_rows, "prompt": spec.teacher_prompt, "temperature": spec.teacher_temperature,
-                "seq_len": seq_len, "seed": seed}
+    (:func:`pick_prompts`), read from ``cache_dir/teacher_rows.pt`` when it holds rows of the same settings (model,
+    prompts, temperature, length, seed), else sampled on the main process and written there; every process returns
+    the same rows."""
+    prompts = pick_prompts(train_rows, spec.teacher_rows, spec.teacher_prompt, seed)
+    settings = {"model": model_name, "prompts": hashlib.sha1(prompts.numpy().tobytes()).hexdigest(),
+                "rows": spec.teacher_rows, "temperature": spec.teacher_temperature, "seq_len": seq_len, "seed": seed}
     path = Path(cache_dir) / "teacher_rows.pt"
 
     def cached() -> Optional[dict]:
@@ -83,7 +86,6 @@ def teacher_rows(accelerator, teacher, tokenizer, train_rows: dict, spec, seq_le
 
     if accelerator.is_main_process and cached() is None:
         start = time.monotonic()
-        prompts = pick_prompts(train_rows, spec.teacher_rows, spec.teacher_prompt, seed)
         rows = sample_rows(teacher, prompts, seq_len, temperature=spec.teacher_temperature, batch=spec.teacher_batch,
                            seed=seed, pad_token_id=tokenizer.pad_token_id,
                            eos_token_id=getattr(tokenizer, "eos_token_id", None), autocast=accelerator.autocast,

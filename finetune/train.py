@@ -26,10 +26,11 @@ processes with batch b train like one with batch P·b (``finetune/README.md``). 
 ``log.jsonl`` (every event, calibration report included),
 ``tensorboard/`` (``train.tensorboard``), ``curves.png`` (``train.plot``), ``checkpoints/<stage>-<step>/``
 (``train.save_every``; resume with ``--resume <folder>|latest``, ``finetune/checkpoint.py``),
-``calibration.json``, ``teacher_rows.pt`` (``data.teacher_rows``), ``transfer/`` and ``final/`` (``save_pretrained`` of the converted model, loadable with
-``hf_attention_backends.from_pretrained``), ``probe.pt`` (the first held-out batch and the final model's
-output on it) and ``summary.json``. Evaluation on held-out rows: perplexity for causal LMs, mean-pooled
-embedding cosine to the teacher for encoders; before conversion (teacher), after conversion, after each stage.
+``calibration.json``, ``teacher_rows.pt`` (``data.teacher_rows``), ``transfer/`` and ``final/``
+(``save_pretrained`` of the converted model, loadable with ``hf_attention_backends.from_pretrained``),
+``probe.pt`` (the first held-out batch and the final model's output on it) and ``summary.json``. Evaluation on
+held-out rows: perplexity for causal LMs, mean-pooled embedding cosine to the teacher for encoders; before
+conversion (teacher), after conversion, after each stage.
 """
 from __future__ import annotations
 
@@ -454,7 +455,7 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     student.to(accelerator.device)
     if d.teacher_rows:
         train_tokens = concat_rows(train_tokens, teacher_rows(accelerator, teacher, tokenizer, train_tokens, d,
-                                                              d.seq_len, recipe.seed, out_dir, log))
+                                                              d.seq_len, recipe.seed, out_dir, recipe.model.name, log))
     train_rows = RowDataset(train_tokens)
     # own generators: iterating a loader draws its base seed from them, not from the global RNG
     train_loader = torch.utils.data.DataLoader(train_rows, batch_size=d.batch_size,

@@ -410,6 +410,12 @@ def test_run_trains_on_teacher_rows_and_reads_them_back_on_a_second_run(tmp_path
     stamp = cache.stat().st_mtime_ns
     run(recipe())
     assert cache.stat().st_mtime_ns == stamp, "the second run sampled again instead of reading the cache"
+    other = recipe()
+    other.data.teacher_prompt = 6  # other prompts: the cached rows no longer apply
+    run(other)
+    resampled = torch.load(cache)
+    assert resampled["settings"]["prompts"] != saved["settings"]["prompts"]
+    assert not torch.equal(resampled["rows"]["input_ids"], saved["rows"]["input_ids"])
 
 
 @pytest.mark.slow
