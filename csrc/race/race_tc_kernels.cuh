@@ -77,7 +77,7 @@ struct Tiles {
   // rows, so that the next chunk's query and key rows both load (cp.async) while this chunk computes, and where
   // sm_80 has room (D <= 64) a tile xv for the next chunk's v rows (row-major; key_chunk transposes it into vt).
   // kKeyStates has xv too. Every layout but kAll (the backward kernels, and the causal out kernel on GPUs with
-  // less shared memory per block than causal_out_bytes) prefetches its next rows: `prefetch`.
+  // less shared memory per block than causal_out_bytes) and kQueryState prefetches its next rows: `prefetch`.
   // kCausalWarp (race_causal_out_fwd_kernel): x (query rows), w, then xk (key rows), phq, cw_bufs phk tiles, two xv
   // tiles, cw_bufs staged states sth ([feature][d] fp16, z in column D), ot (in phq's rows where they fit:
   // cw_ot_in_phq), the exponents (ints: ve [2][4], then se [2][4][2]: the staged states' num and den exponents per
