@@ -1,8 +1,8 @@
 // Checks csrc/common/wgmma.cuh on an sm_90 GPU before any kernel relies on it: one warpgroup computes D = A B
 // (64 x 64 x 16, fp16 and bf16, B K-major and MN-major; tests/ops/emulation/wgmma_product.cuh, which the emulator's
 // test runs too), and every accumulator register is compared with the float64 product at the position wgmma.cuh's
-// comment gives it. Each case runs with both assignments of the two core-matrix strides to each descriptor's leading and
-// stride fields (four runs); the output says which the hardware reads, and the exit status is 0 only if, in every
+// comment gives it. Each case runs with both assignments of the two core-matrix strides to each descriptor's leading
+// and stride fields (four runs); the output says which the hardware reads, and the exit status is 0 only if, in every
 // case, exactly one run gives the exact product (small integers: every product and sum is exact in fp32).
 //
 //   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Icsrc -Itests/ops/emulation scripts/wgmma_check.cu \
@@ -12,8 +12,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <vector>
 

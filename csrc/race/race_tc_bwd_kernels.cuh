@@ -677,7 +677,8 @@ __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_
 // Step (2): per (group, q head, batch), sum_i phi~(q_i) [dO_i, c^_i]^T over the group's query tiles (causal: tiles
 // kappa - kappa0 of key chunks [16 grp, 16 grp + 16); non-causal: tiles [16 grp, 16 grp + 16)) into slot grp of
 // p.qstate / p.qz (groups + 1 slots; race_scan_fwd_kernel with reverse = 1 then makes them suffix sums). Shared
-// memory: Tiles' kQueryState layout (query_state_bytes). (128, 1): with 128 alone ptxas capped sm_80 fp16 D = 32 at 72 registers and spilled 12 bytes.
+// memory: Tiles' kQueryState layout (query_state_bytes). (128, 1): with 128 alone ptxas capped sm_80 fp16 D = 32 at
+// 72 registers and spilled 12 bytes.
 template <typename T, int D, bool PHI_TILE = false>
 __global__ void __launch_bounds__(kThreads, 1) race_group_qstate_bwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];

@@ -7,9 +7,7 @@
 
 #include <cassert>
 #include <cstdint>
-#include <type_traits>
-
-#include "common/ptx.cuh"
+#include <cstring>
 
 namespace emu {
 inline const char* shared_window = nullptr;
