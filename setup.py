@@ -3,8 +3,9 @@ when a CUDA build of torch and a CUDA toolkit are present.
 
 ``HFAB_BUILD_CUDA=1`` forces the extension (and fails loudly if it cannot be built),
 ``HFAB_BUILD_CUDA=0`` skips it. Unset: build it when torch has CUDA and CUDA_HOME is found.
-``HFAB_CUDA_ARCHS`` overrides the target list of every source (default "80;90", and the exact kernels,
-CUDA cores only, also "75"; see csrc/README.md).
+``HFAB_CUDA_ARCHS`` overrides the target list of every source (default "80;90a", and the exact kernels,
+CUDA cores only, also "75"; see csrc/README.md). "90a" is Hopper with its architecture-specific instructions
+(wgmma): its cubin runs on every compute capability 9.0 GPU, as an sm_90 one does.
 ``HFAB_BACKENDS`` (kernel development only, e.g. "exact" or "race,stieltjes") builds the kernels of those backends
 alone, a shorter build on a GPU machine; the others then have no CUDA kernel.
 """
@@ -58,7 +59,7 @@ def _host_sources():
     return _selected(sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True)))
 
 
-DEFAULT_ARCHS = ["80", "90"]
+DEFAULT_ARCHS = ["80", "90a"]
 # extra default targets per source folder: the exact kernels use CUDA cores only and also run on Turing
 EXTRA_ARCHS = {os.path.join("csrc", "exact"): ["75"]}
 
@@ -69,7 +70,12 @@ def _archs_for(source):
         return [a.strip() for a in override.split(";") if a.strip()]
     extra = [a for folder, archs in EXTRA_ARCHS.items() if os.path.normpath(source).startswith(folder + os.sep)
              for a in archs]
-    return sorted(set(DEFAULT_ARCHS + extra), key=int)
+    return sorted(set(DEFAULT_ARCHS + extra), key=_arch_number)
+
+
+def _arch_number(arch):
+    """75, 80, 90 from "75", "80", "90a": the order of the targets."""
+    return int(arch.rstrip("af"))
 
 
 def _gencode_flags(archs):

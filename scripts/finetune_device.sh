@@ -24,9 +24,9 @@ recipe=$1; shift
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 if [[ ${BUILD:-1} != 0 ]] && ! ls hf_attention_backends/_C*.so >/dev/null 2>&1; then
-    echo "== build (CUDA extension, sm_90)"
+    echo "== build (CUDA extension, sm_90a)"
     start=$SECONDS
-    CXX=/usr/bin/g++ CC=/usr/bin/gcc HFAB_CUDA_ARCHS=90 MAX_JOBS=$(nproc) HFAB_BUILD_CUDA=1 \
+    CXX=/usr/bin/g++ CC=/usr/bin/gcc HFAB_CUDA_ARCHS=90a MAX_JOBS=$(nproc) HFAB_BUILD_CUDA=1 \
         python3 setup.py build_ext --inplace -j "$(nproc)" >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
     echo "built in $((SECONDS - start)) s"
 fi

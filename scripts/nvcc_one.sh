@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Compile one csrc/*.cu file to an object with the extension's nvcc flags and print the ptxas report
 # (registers, spills, shared memory): a fast check on a machine without a GPU.
-#   bash scripts/nvcc_one.sh csrc/race/race_fwd.cu [archs, default "80;90"]
+#   bash scripts/nvcc_one.sh csrc/race/race_fwd.cu [archs, default "80;90a"]
 # Env: HFAB_CUDA_VENV (a venv with a CUDA build of torch, default .venv-cuda), CUDA_HOME (default /usr/local/cuda).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC=${1:?usage: scripts/nvcc_one.sh csrc/<backend>/<file>.cu [archs]}
-ARCHS=${2:-80;90}
+ARCHS=${2:-80;90a}
 VENV=${HFAB_CUDA_VENV:-$PWD/.venv-cuda}
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 read -r ABI INCLUDES < <("$VENV/bin/python" - <<'PY'
