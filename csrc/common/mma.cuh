@@ -155,19 +155,28 @@ __device__ __forceinline__ void for_each_b_trans(const T* tile, int pitch, int k
   }
 }
 
+// Element offset of (row, col) in a tile of D columns laid out as wgmma's no-swizzle core matrices (common/wgmma.cuh):
+// 8-row groups 8 D elements apart, their 8-column core matrices 64 apart, a core matrix's rows 8 apart.
+template <int D> __host__ __device__ __forceinline__ int core_at(int row, int col) {
+  return (row / 8) * 8 * D + (col / 8) * 64 + (row % 8) * 8 + col % 8;
+}
+
 // A thread's share of a block copying ROWS rows of D 16-bit elements in 16-byte chunks into a shared tile with rows
-// D + 8 elements apart: chunk chunk() of rows row() + kPass i, i < kIters. Addresses are formed once per copy and
-// advanced by kPass rows (no division per chunk; a 64-bit add per global address, constant shared offsets).
-template <int ROWS, int D, int THREADS, bool PER_WARP = false> struct RowChunks {
+// D + 8 elements apart (CORE: in core matrices, core_at): chunk chunk() of rows row() + kPass i, i < kIters. Addresses
+// are formed once per copy and advanced by kPass rows (no division per chunk; a 64-bit add per global address,
+// constant shared offsets).
+template <int ROWS, int D, int THREADS, bool PER_WARP = false, bool CORE = false> struct RowChunks {
   static constexpr int kChunks = D / 8, kPass = THREADS / kChunks, kIters = ROWS / kPass;
   static constexpr int kBatch = kIters < 4 ? kIters : 4;  // loads in flight per thread before their stores
   static_assert(THREADS % kChunks == 0 && ROWS % kPass == 0 && kIters % kBatch == 0, "tile shapes");
+  static_assert(!CORE || kPass % 8 == 0, "core-matrix tiles advance by whole 8-row groups");
   // this thread's index among the THREADS that copy: the block's, or its lane for a warp's own rows (PER_WARP)
   static __device__ __forceinline__ unsigned tid() { return PER_WARP ? threadIdx.x % 32u : threadIdx.x; }
   static __device__ __forceinline__ int row() { return tid() / kChunks; }
   static __device__ __forceinline__ uint4* dst(void* tile, int i) {  // this thread's chunk of pass i
-    return reinterpret_cast<uint4*>(static_cast<char*>(tile) +
-                                    2 * ((row() + kPass * i) * (D + 8) + 8 * (tid() % kChunks)));
+    const int at = CORE ? core_at<D>(row(), 8 * (tid() % kChunks)) + kPass * i * D
+                        : (row() + kPass * i) * (D + 8) + 8 * (tid() % kChunks);
+    return reinterpret_cast<uint4*>(static_cast<char*>(tile) + 2 * at);
   }
   template <typename T> static __device__ __forceinline__ const T* src(const T* x, long long stride, int row0) {
     return x + (row0 + row()) * stride + 8 * (tid() % kChunks);
@@ -197,10 +206,10 @@ __device__ __forceinline__ void load_rows(void* tile, const T* x, long long stri
 }
 
 // The same by cp.async (no registers), as one committed group: completes at cp_async_wait_all. PER_WARP: THREADS = 32
-// lanes of one warp copy the tile (a warp's own rows).
-template <int ROWS, int D, int THREADS, bool PER_WARP = false, typename T, typename Ok>
+// lanes of one warp copy the tile (a warp's own rows). CORE: the tile in core matrices (core_at).
+template <int ROWS, int D, int THREADS, bool PER_WARP = false, bool CORE = false, typename T, typename Ok>
 __device__ __forceinline__ void load_rows_async(void* tile, const T* x, long long stride, int row0, Ok ok) {
-  using C = RowChunks<ROWS, D, THREADS, PER_WARP>;
+  using C = RowChunks<ROWS, D, THREADS, PER_WARP, CORE>;
   const int r = C::row();
   const T* src = C::src(x, stride, row0);
 #pragma unroll

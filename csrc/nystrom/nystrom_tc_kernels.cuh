@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "common/mma.cuh"
+#include "common/wgmma.cuh"
 #include "nystrom/nystrom_kernels.cuh"
 
 namespace hfab {
@@ -25,15 +26,20 @@ namespace tc {
 constexpr int kWarps = 8, kThreads = 32 * kWarps, kBQ = 16 * kWarps;
 constexpr int kChunk = 32;  // buffer rows per online-softmax step (32: the scores take 16 registers, not 32)
 
-// Dynamic shared memory for a buffer of `slots` rows (padded to 16):
+// Dynamic shared memory for a buffer of `slots` rows (padded to 16; to kChunk in the wgmma layout):
 //   khi, klo [rows][D + 8] T     keys as a 16-bit high part and residual (ldmatrix rows 16-byte aligned)
 //   vhi, vlo [rows][D + 8] fp16  values times 2^e (the block's power of two) as high part and residual
 //   q        [stages][kBQ][D + 8] T  the query tile (two stages: the next one's copy in flight during this one)
+// The wgmma path (sm_90a) holds the same tiles in core matrices (mma::core_at), D elements per row; `bytes` is the
+// larger of the two layouts, so that the host needs not know which path the kernel was built with.
 template <int D> struct OutSmem {
   static constexpr int kKey = D + 8;
   static __host__ __device__ int rows(int slots) { return (slots + 15) / 16 * 16; }
+  static __host__ __device__ int core_rows(int slots) { return (slots + kChunk - 1) / kChunk * kChunk; }
   static __host__ __device__ int bytes(int slots, int stages = 1) {
-    return 4 * rows(slots) * kKey * 2 + stages * kBQ * kKey * 2;
+    const int padded = 4 * rows(slots) * kKey * 2 + stages * kBQ * kKey * 2;
+    const int core = 4 * core_rows(slots) * D * 2 + stages * kBQ * D * 2;
+    return padded > core ? padded : core;
   }
 };
 
@@ -48,8 +54,9 @@ __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uin
 }
 
 // Rows [0, rows) of an fp32 matrix (D floats per row; rows >= count zero) times `scale` (a power of two) into shared
-// memory as 16-bit high parts and residuals, rows D + 8 elements apart, by a block of THREADS threads.
-template <typename T, int D, int THREADS>
+// memory as 16-bit high parts and residuals, rows D + 8 elements apart (CORE: in core matrices, mma::core_at), by a
+// block of THREADS threads.
+template <typename T, int D, int THREADS, bool CORE = false>
 __device__ __forceinline__ void split_rows(const float* src, int count, int rows, uint16_t* hi, uint16_t* lo,
                                            float scale = 1.f) {
   constexpr int kQuads = D / 4;
@@ -59,8 +66,9 @@ __device__ __forceinline__ void split_rows(const float* src, int count, int rows
     uint2 h, l;
     split_pair<T>(x.x * scale, x.y * scale, h.x, l.x);
     split_pair<T>(x.z * scale, x.w * scale, h.y, l.y);
-    *reinterpret_cast<uint2*>(hi + r * (D + 8) + d) = h;
-    *reinterpret_cast<uint2*>(lo + r * (D + 8) + d) = l;
+    const int at = CORE ? mma::core_at<D>(r, d) : r * (D + 8) + d;
+    *reinterpret_cast<uint2*>(hi + at) = h;
+    *reinterpret_cast<uint2*>(lo + at) = l;
   }
 }
 
@@ -89,12 +97,12 @@ __device__ __forceinline__ int fp16_exponent(const float* src, int count, float*
 }
 
 // The first `nvalid` buffer rows into shared memory (keys and values 2^e split), zeros up to `rows`; returns e.
-template <typename T, int D>
+template <typename T, int D, bool CORE = false>
 __device__ __forceinline__ int stage_buffer(const float* keys, const float* vals, int nvalid, int rows, uint16_t* khi,
                                             uint16_t* klo, uint16_t* vhi, uint16_t* vlo, float* red) {
-  split_rows<T, D, kThreads>(keys, nvalid, rows, khi, klo);
+  split_rows<T, D, kThreads, CORE>(keys, nvalid, rows, khi, klo);
   const int e = fp16_exponent<D>(vals, nvalid, red);
-  split_rows<__half, D, kThreads>(vals, nvalid, rows, vhi, vlo, ldexpf(1.f, e));
+  split_rows<__half, D, kThreads, CORE>(vals, nvalid, rows, vhi, vlo, ldexpf(1.f, e));
   return e;
 }
 
@@ -247,16 +255,10 @@ __device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D /
   }
 }
 
-// The softmax attention of query tiles over the head's buffer: grid (blocks per head, Hq, B), 256 threads, dynamic
-// shared memory OutSmem<D>::bytes(p.slots, STAGES). Per tile, each warp calls epilogue(o, m, l, row0) with its
-// unnormalised o = Σ p vals (scaled back from the product's powers of two), the running max m (base 2) and this
-// lane's part of the row sums l of rows row0 and row0 + 8. The query fragments are read from the staged tile at each
-// chunk, not held (at most 128 registers: two blocks per SM). STAGES 2: the block's next tile is copied during this
-// one; 1 (where a second tile would cost a resident block, e.g. m 64 at D 128: 104 KB per block): the next tile loads
-// after this one.
+// attend_tiles (below) on mma.sync: the query fragments are read from the staged tile at each chunk, not held (at most
+// 128 registers: two blocks per SM).
 template <typename T, int D, int STAGES, typename Epilogue>
-__device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogue) {
-  static_assert(STAGES == 1 || STAGES == 2, "one or two query tiles");
+__device__ __forceinline__ void attend_tiles_mma(const Params& p, Epilogue&& epilogue) {
   using S = OutSmem<D>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tiles = (p.n + kBQ - 1) / kBQ;
@@ -312,6 +314,127 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
       for (int i = 0; i < 4; ++i) o[dn][i] *= unscale;
     epilogue(o, m, l, tile * kBQ + 16 * warp + lane / 4);
   }
+}
+
+// s (64 x kChunk per warpgroup; this warp's 16 rows in the C layout) = the warpgroup's 64 query rows (qw, core
+// matrices) times the chunk's key rows (khi, klo at the chunk's first row)ᵀ, high part plus residual, by wgmma.
+template <typename T, int D>
+__device__ __forceinline__ void chunk_scores_wg(float (&s)[kChunk / 8][4], const uint16_t* qw, const uint16_t* khi,
+                                                const uint16_t* klo) {
+#pragma unroll
+  for (int j = 0; j < kChunk / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+  wgmma::fence();
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) {  // K-major operands: core matrices 128 bytes apart in k, 16 D in rows
+    const uint64_t a = wgmma::descriptor(qw + 128 * kc, 128, 16 * D);
+    wgmma::mma<kChunk, T, false>(s, a, wgmma::descriptor(khi + 128 * kc, 128, 16 * D), true);
+    wgmma::mma<kChunk, T, false>(s, a, wgmma::descriptor(klo + 128 * kc, 128, 16 * D), true);
+  }
+  wgmma::commit_group();
+  wgmma::wait_group<0>();
+}
+
+// acc (64 x D per warpgroup, C layout) += x (the chunk's probabilities times 2^kProbExp, C layout) times the chunk's
+// value rows (vhi, vlo: fp16 halves, core matrices), x in two fp16 halves from registers: hi hi + lo hi + hi lo, as
+// halves_product. 16-row k-steps at or past row `valid` are skipped (the same count in every warp of the group).
+template <int D>
+__device__ __forceinline__ void probs_values_wg(float (&acc)[D / 8][4], const float (&x)[kChunk / 8][4],
+                                                const uint16_t* vhi, const uint16_t* vlo, int valid) {
+  uint32_t xhi[kChunk / 16][4], xlo[kChunk / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < kChunk / 16; ++kc)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // e: (row g, k 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
+      const int j = 2 * kc + e / 2, c = 2 * (e % 2);
+      split_pair<__half>(x[j][c], x[j][c + 1], xhi[kc][e], xlo[kc][e]);
+    }
+  wgmma::fence();
+#pragma unroll
+  for (int kc = 0; kc < kChunk / 16; ++kc) {  // MN-major values: core matrices 16 D bytes apart in k, 128 in n
+    if (16 * kc >= valid) continue;
+    const uint64_t hi = wgmma::descriptor(vhi + 16 * kc * D, 16 * D, 128);
+    wgmma::mma_regs<D, __half, true>(acc, xhi[kc], hi, true);
+    wgmma::mma_regs<D, __half, true>(acc, xlo[kc], hi, true);
+    wgmma::mma_regs<D, __half, true>(acc, xhi[kc], wgmma::descriptor(vlo + 16 * kc * D, 16 * D, 128), true);
+  }
+  wgmma::commit_group();
+  wgmma::wait_group<0>();
+}
+
+// attend_tiles (below) on wgmma (sm_90a): each warpgroup (four warps) takes 64 rows of the tile; the tiles in core
+// matrices; the same online softmax per chunk and the same products in halves as attend_tiles_mma.
+template <typename T, int D, int STAGES, typename Epilogue>
+__device__ __forceinline__ void attend_tiles_wg(const Params& p, Epilogue&& epilogue) {
+  using S = OutSmem<D>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int tiles = (p.n + kBQ - 1) / kBQ;
+  int tile = blockIdx.x;
+  if (tile >= tiles) return;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const long long bh = (long long)b * p.hq + h;
+  const int nvalid = p.nvalid[b], rows = S::core_rows(p.slots);
+  uint16_t* khi = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* klo = khi + rows * D;
+  uint16_t* vhi = klo + rows * D;
+  uint16_t* vlo = vhi + rows * D;
+  uint16_t* qs = vlo + rows * D;
+  __shared__ float red[kWarps], unscale_s;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n = p.n;
+  const auto load = [&](int at, int buf) {
+    const T* q = static_cast<const T*>(p.q) + blockIdx.z * p.sq.b + blockIdx.y * p.sq.h;
+    mma::load_rows_async<kBQ, D, kThreads, false, true>(qs + buf * kBQ * D, q, p.sq.n, at * kBQ,
+                                                         [=](int r) { return at * kBQ + r < n; });
+  };
+  if (STAGES == 2) load(tile, 0);
+  const int e = stage_buffer<T, D, true>(p.keys + bh * p.slots * D, p.vals + bh * p.slots * D, nvalid, rows, khi, klo,
+                                         vhi, vlo, red);
+  if (threadIdx.x == 0) unscale_s = ldexpf(1.f, -e - kProbExp);
+  const float scale_log2 = p.root * kLog2e;
+  for (int buf = 0; tile < tiles; tile += gridDim.x, buf ^= STAGES - 1) {
+    if (STAGES == 1) {
+      __syncthreads();  // the previous tile's products (waited for) are done with qs
+      load(tile, 0);
+    }
+    mma::cp_async_wait_all();
+    wgmma::fence_shared_for_async();  // this thread's copies and staging stores, for the products' reads
+    __syncthreads();
+    if (STAGES == 2 && tile + static_cast<int>(gridDim.x) < tiles) load(tile + gridDim.x, buf ^ 1);
+    const uint16_t* qw = qs + buf * kBQ * D + 64 * (warp / 4) * D;  // this warpgroup's 64 rows
+
+    float m[2] = {-inf(), -inf()}, l[2] = {0.f, 0.f};
+    float o[D / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
+    for (int c0 = 0; c0 < nvalid; c0 += kChunk) {
+      float s[kChunk / 8][4];
+      chunk_scores_wg<T, D>(s, qw, khi + c0 * D, klo + c0 * D);
+      chunk_softmax<D>(s, m, l, o, c0, nvalid, scale_log2, lane);
+      probs_values_wg<D>(o, s, vhi + c0 * D, vlo + c0 * D, nvalid - c0);
+    }
+    const float unscale = unscale_s;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[dn][i] *= unscale;
+    epilogue(o, m, l, tile * kBQ + 16 * warp + lane / 4);
+  }
+}
+
+// The softmax attention of query tiles over the head's buffer: grid (blocks per head, Hq, B), 256 threads, dynamic
+// shared memory OutSmem<D>::bytes(p.slots, STAGES). Per tile, each warp calls epilogue(o, m, l, row0) with its
+// unnormalised o = Σ p vals (scaled back from the product's powers of two), the running max m (base 2) and this
+// lane's part of the row sums l of rows row0 and row0 + 8. STAGES 2: the block's next tile is copied during this one;
+// 1 (where a second tile would cost a resident block, e.g. m 64 at D 128: 104 KB per block): the next tile loads after
+// this one. On wgmma where the kernel is built for sm_90a, else on mma.sync.
+template <typename T, int D, int STAGES, typename Epilogue>
+__device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogue) {
+  static_assert(STAGES == 1 || STAGES == 2, "one or two query tiles");
+#if defined(HFAB_HAS_WGMMA)
+  attend_tiles_wg<T, D, STAGES>(p, epilogue);
+#else
+  attend_tiles_mma<T, D, STAGES>(p, epilogue);
+#endif
 }
 
 // out = softmax(q_s keysᵀ) vals + conv residual, in T.

@@ -34,6 +34,18 @@ def emulator(tmp_path_factory):
     return build("nystrom", tmp_path_factory.mktemp("emulation"))
 
 
+@pytest.fixture(scope="module")
+def wgmma_emulator(tmp_path_factory):
+    """The same kernels built as for sm_90a: the output and row-statistics kernels take their wgmma path."""
+    return build("nystrom", tmp_path_factory.mktemp("emulation"), defines=("HFAB_EMULATE_WGMMA",))
+
+
+@pytest.fixture(params=["mma.sync", "wgmma"])
+def tile_emulator(request):
+    """The query-tile kernels (attend_tiles) on each of their two paths."""
+    return request.getfixturevalue("emulator" if request.param == "mma.sync" else "wgmma_emulator")
+
+
 def segment_counts(n_real, m):
     """(B, m) rows per landmark segment of n real tokens (the last segment takes the remainder)."""
     counts = torch.zeros(len(n_real), m)
@@ -428,7 +440,7 @@ QUERY_TILE_CASES = [
 
 
 @pytest.mark.parametrize("d, dtype, slots, nvalid, blocks_per_head, stages, conv_ks, padded", QUERY_TILE_CASES)
-def test_output_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, blocks_per_head, stages, conv_ks,
+def test_output_kernel_against_the_oracle(tile_emulator, d, dtype, slots, nvalid, blocks_per_head, stages, conv_ks,
                                           padded):
     """The output and, as the forward saves them for the backward, the rows' base-2 log-sum-exp (lse1)."""
     b, hq, hkv, n = 2, 2, 1, 200
@@ -438,7 +450,7 @@ def test_output_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, blo
     mask = make_padding(b, n, min_real=n // 2, seed=d) if padded else None
     mask_u8 = None if mask is None else mask.to(torch.uint8)
     out, lse = nan_like(q), nan_like(q, (b * hq, n), torch.float32)
-    rc = emulator.nystrom_out_fwd(int(dtype == torch.bfloat16), d, b, hq, hkv, n, slots, ctypes.c_float(d ** -0.25),
+    rc = tile_emulator.nystrom_out_fwd(int(dtype == torch.bfloat16), d, b, hq, hkv, n, slots, ctypes.c_float(d ** -0.25),
                                   blocks_per_head, stages, ptr(q), ptr(v), ptr(keys), ptr(vals), ptr(nv), ptr(conv),
                                   0 if conv is None else conv_ks, ptr(mask_u8), ptr(out), ptr(lse))
     check_rc(rc, "nystrom_out_fwd")
@@ -452,7 +464,7 @@ def test_output_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, blo
 
 
 @pytest.mark.parametrize("vals_scale", [3e5, 1e-7])
-def test_output_kernel_values_beyond_fp16_range(emulator, vals_scale):
+def test_output_kernel_values_beyond_fp16_range(tile_emulator, vals_scale):
     """The values enter the P values product in fp16 halves times the block's power of two (whatever the input
     dtype): values far above fp16's largest (3e5 > 65,504) or among its subnormals (1e-7, their residuals far below)
     keep the output's precision, per block (batch 0 scaled, batch 1 not). bf16 inputs, so the output can hold them."""
@@ -461,7 +473,7 @@ def test_output_kernel_values_beyond_fp16_range(emulator, vals_scale):
     vals[0] *= vals_scale
     _, _, v = cpu_inputs(b, hkv, hkv, n, n, d, dtype=dtype, seed=5)
     out, lse = nan_like(q), nan_like(q, (b * hq, n), torch.float32)
-    rc = emulator.nystrom_out_fwd(1, d, b, hq, hkv, n, slots, ctypes.c_float(d ** -0.25), 1, 2, ptr(q), ptr(v),
+    rc = tile_emulator.nystrom_out_fwd(1, d, b, hq, hkv, n, slots, ctypes.c_float(d ** -0.25), 1, 2, ptr(q), ptr(v),
                                   ptr(keys), ptr(vals), ptr(nv), None, 0, None, ptr(out), ptr(lse))
     check_rc(rc, "nystrom_out_fwd")
     args = (q, v, keys, vals, nv, None, None)
@@ -472,12 +484,12 @@ def test_output_kernel_values_beyond_fp16_range(emulator, vals_scale):
 
 
 @pytest.mark.parametrize("d, dtype, slots, nvalid, blocks_per_head, stages", [c[:6] for c in QUERY_TILE_CASES])
-def test_row_statistics_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, blocks_per_head, stages):
+def test_row_statistics_kernel_against_the_oracle(tile_emulator, d, dtype, slots, nvalid, blocks_per_head, stages):
     b, hq, n = 2, 2, 200
     q, dout, keys, vals, nv, _, _ = buffer_inputs(b, hq, n, slots, nvalid, d, dtype, 1.0, seed=d + slots)
     lse1 = nan_like(q, (b * hq, n), torch.float32)
     delta1 = nan_like(q, (b * hq, n), torch.float32)
-    rc = emulator.nystrom_stats_bwd(int(dtype == torch.bfloat16), d, b, hq, n, slots, ctypes.c_float(d ** -0.25),
+    rc = tile_emulator.nystrom_stats_bwd(int(dtype == torch.bfloat16), d, b, hq, n, slots, ctypes.c_float(d ** -0.25),
                                     blocks_per_head, stages, ptr(q), ptr(dout), ptr(keys), ptr(vals), ptr(nv),
                                     ptr(lse1), ptr(delta1))
     check_rc(rc, "nystrom_stats_bwd")

@@ -38,7 +38,8 @@ def _sources(name):
                         glob.glob(os.path.join(CSRC, name, "*_kernels.cuh")))
 
 
-def build(name, tmp_dir):
+def build(name, tmp_dir, defines=()):
+    """defines: macros for g++ (e.g. HFAB_EMULATE_WGMMA: the kernels' wgmma paths, as an sm_90a build takes them)."""
     include = cuda_include()
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("g++")
     if include is None or compiler is None:
@@ -46,9 +47,9 @@ def build(name, tmp_dir):
                     "set CUDA_HOME")
     sources = _sources(name)
     digest = hashlib.sha1(b"".join(open(s, "rb").read() for s in sources)).hexdigest()[:12]
-    lib = os.path.join(str(tmp_dir), f"{name}_emulation_{digest}.so")
+    lib = os.path.join(str(tmp_dir), "_".join([f"{name}_emulation", *defines, digest]) + ".so")
     cmd = [compiler, "-std=c++20", "-O1", "-fno-extern-tls-init", "-shared", "-fPIC", "-w", f"-I{HERE}", f"-I{CSRC}", f"-I{include}",
-           sources[0], "-o", lib]
+           *(f"-D{d}" for d in defines), sources[0], "-o", lib]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, f"g++ failed:\n{' '.join(cmd)}\n{done.stderr[-4000:]}"
     return ctypes.CDLL(lib)

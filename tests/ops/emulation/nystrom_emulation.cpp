@@ -63,6 +63,7 @@ bool buffer_gradients(const BwdParams& bp, int b) {
 template <typename Kernel>
 bool query_tiles(int bytes, int b, int hq, int blocks_per_head, Kernel kernel) {
   if (bytes > static_cast<int>(sizeof(tc::smem))) return false;
+  emu::shared_window = reinterpret_cast<const char*>(tc::smem);  // wgmma descriptors count from here
   return emu::launch(dim3(blocks_per_head, hq, b), tc::kThreads, kernel);
 }
 

@@ -35,14 +35,13 @@ __global__ void product(const T* a, const T* b, float* out, uint2 a_fields, uint
   }
   hfab::wgmma::fence_shared_for_async();
   __syncthreads();
-  float d[32];
-  for (float& x : d) x = 0.f;
+  float d[kN / 8][4] = {};
   hfab::wgmma::fence();
-  hfab::wgmma::m64n64k16<T, TRANS_B>(d, hfab::wgmma::descriptor(sa, a_fields.x, a_fields.y),
+  hfab::wgmma::mma<kN, T, TRANS_B>(d, hfab::wgmma::descriptor(sa, a_fields.x, a_fields.y),
                                      hfab::wgmma::descriptor(sb, b_fields.x, b_fields.y), false);
   hfab::wgmma::commit_group();
   hfab::wgmma::wait_group<0>();
-  for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i];
+  for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i / 4][i % 4];
 }
 
 // Position (row, col) of D that accumulator i of thread tid holds (csrc/common/wgmma.cuh's layout).
