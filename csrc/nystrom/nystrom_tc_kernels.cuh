@@ -255,67 +255,6 @@ __device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D /
   }
 }
 
-// attend_tiles (below) on mma.sync: the query fragments are read from the staged tile at each chunk, not held (at most
-// 128 registers: two blocks per SM).
-template <typename T, int D, int STAGES, typename Epilogue>
-__device__ __forceinline__ void attend_tiles_mma(const Params& p, Epilogue&& epilogue) {
-  using S = OutSmem<D>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int tiles = (p.n + kBQ - 1) / kBQ;
-  int tile = blockIdx.x;
-  if (tile >= tiles) return;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const long long bh = (long long)b * p.hq + h;
-  const int nvalid = p.nvalid[b], rows = S::rows(p.slots);
-  uint16_t* khi = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* klo = khi + rows * S::kKey;
-  uint16_t* vhi = klo + rows * S::kKey;
-  uint16_t* vlo = vhi + rows * S::kKey;
-  uint16_t* qs = vlo + rows * S::kKey;
-  __shared__ float red[kWarps], unscale_s;  // read back after each tile's products: one register fewer in them
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int n = p.n;
-  const auto load = [&](int at, int buf) {  // the head's q formed per tile from the parameters: no register held
-    const T* q = static_cast<const T*>(p.q) + blockIdx.z * p.sq.b + blockIdx.y * p.sq.h;
-    mma::load_rows_async<kBQ, D, kThreads>(qs + buf * kBQ * S::kKey, q, p.sq.n, at * kBQ,
-                                           [=](int r) { return at * kBQ + r < n; });
-  };
-  if (STAGES == 2) load(tile, 0);
-  const int e = stage_buffer<T, D>(p.keys + bh * p.slots * D, p.vals + bh * p.slots * D, nvalid, rows, khi, klo, vhi,
-                                  vlo, red);
-  if (threadIdx.x == 0) unscale_s = ldexpf(1.f, -e - kProbExp);  // read after the loop's first barrier
-  const float scale_log2 = p.root * kLog2e;  // keys carry √scale, q not yet
-  // A fragments: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
-  const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
-  for (int buf = 0; tile < tiles; tile += gridDim.x, buf ^= STAGES - 1) {
-    if (STAGES == 1) {
-      __syncthreads();  // the previous tile's readers of qs are done
-      load(tile, 0);
-    }
-    mma::cp_async_wait_all();
-    __syncthreads();  // the tile (at the first, the buffer) is in; every warp is done with the other stage
-    if (STAGES == 2 && tile + static_cast<int>(gridDim.x) < tiles) load(tile + gridDim.x, buf ^ 1);
-    const uint16_t* qt = qs + buf * kBQ * S::kKey;
-
-    float m[2] = {-inf(), -inf()}, l[2] = {0.f, 0.f};
-    float o[D / 8][4];
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
-    for (int c0 = 0; c0 < nvalid; c0 += kChunk) {
-      float s[kChunk / 8][4];
-      chunk_scores<T, D>(s, qt, arow, acol, khi, klo, c0, nvalid, lane);
-      chunk_softmax<D>(s, m, l, o, c0, nvalid, scale_log2, lane);
-      halves_product<__half, D, kChunk / 8, true>(o, s, vhi + c0 * S::kKey, vlo + c0 * S::kKey, nvalid - c0, lane);
-    }
-    const float unscale = unscale_s;
-#pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) o[dn][i] *= unscale;
-    epilogue(o, m, l, tile * kBQ + 16 * warp + lane / 4);
-  }
-}
-
 // s (64 x kChunk per warpgroup; this warp's 16 rows in the C layout) = the warpgroup's 64 query rows (qw, core
 // matrices) times the chunk's key rows (khi, klo at the chunk's first row)ᵀ, high part plus residual, by wgmma.
 template <typename T, int D>
@@ -361,46 +300,61 @@ __device__ __forceinline__ void probs_values_wg(float (&acc)[D / 8][4], const fl
   wgmma::wait_group<0>();
 }
 
-// attend_tiles (below) on wgmma (sm_90a): each warpgroup (four warps) takes 64 rows of the tile; the tiles in core
-// matrices; the same online softmax per chunk and the same products in halves as attend_tiles_mma.
+// The softmax attention of query tiles over the head's buffer: grid (blocks per head, Hq, B), 256 threads, dynamic
+// shared memory OutSmem<D>::bytes(p.slots, STAGES). Per tile, each warp calls epilogue(o, m, l, row0) with its
+// unnormalised o = Σ p vals (scaled back from the product's powers of two), the running max m (base 2) and this
+// lane's part of the row sums l of rows row0 and row0 + 8. STAGES 2: the block's next tile is copied during this one;
+// 1 (where a second tile would cost a resident block, e.g. m 64 at D 128: 104 KB per block): the next tile loads after
+// this one. Built for sm_90a (HFAB_HAS_WGMMA) the products run on wgmma, each warpgroup taking 64 rows of the tile
+// from tiles in core matrices; else on mma.sync, the query fragments read from the staged tile at each chunk, not
+// held (at most 128 registers: two blocks per SM).
 template <typename T, int D, int STAGES, typename Epilogue>
-__device__ __forceinline__ void attend_tiles_wg(const Params& p, Epilogue&& epilogue) {
+__device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogue) {
+  static_assert(STAGES == 1 || STAGES == 2, "one or two query tiles");
+#if defined(HFAB_HAS_WGMMA)
+  constexpr bool kWg = true;
+#else
+  constexpr bool kWg = false;
+#endif
   using S = OutSmem<D>;
+  constexpr int kRow = kWg ? D : S::kKey;  // elements per tile row (core matrices: no padding)
   extern __shared__ __align__(16) unsigned char smem[];
   const int tiles = (p.n + kBQ - 1) / kBQ;
   int tile = blockIdx.x;
   if (tile >= tiles) return;
   const int h = blockIdx.y, b = blockIdx.z;
   const long long bh = (long long)b * p.hq + h;
-  const int nvalid = p.nvalid[b], rows = S::core_rows(p.slots);
+  const int nvalid = p.nvalid[b], rows = kWg ? S::core_rows(p.slots) : S::rows(p.slots);
   uint16_t* khi = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* klo = khi + rows * D;
-  uint16_t* vhi = klo + rows * D;
-  uint16_t* vlo = vhi + rows * D;
-  uint16_t* qs = vlo + rows * D;
-  __shared__ float red[kWarps], unscale_s;
+  uint16_t* klo = khi + rows * kRow;
+  uint16_t* vhi = klo + rows * kRow;
+  uint16_t* vlo = vhi + rows * kRow;
+  uint16_t* qs = vlo + rows * kRow;
+  __shared__ float red[kWarps], unscale_s;  // read back after each tile's products: one register fewer in them
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n = p.n;
-  const auto load = [&](int at, int buf) {
+  const auto load = [&](int at, int buf) {  // the head's q formed per tile from the parameters: no register held
     const T* q = static_cast<const T*>(p.q) + blockIdx.z * p.sq.b + blockIdx.y * p.sq.h;
-    mma::load_rows_async<kBQ, D, kThreads, false, true>(qs + buf * kBQ * D, q, p.sq.n, at * kBQ,
-                                                         [=](int r) { return at * kBQ + r < n; });
+    mma::load_rows_async<kBQ, D, kThreads, false, kWg>(qs + buf * kBQ * kRow, q, p.sq.n, at * kBQ,
+                                                        [=](int r) { return at * kBQ + r < n; });
   };
   if (STAGES == 2) load(tile, 0);
-  const int e = stage_buffer<T, D, true>(p.keys + bh * p.slots * D, p.vals + bh * p.slots * D, nvalid, rows, khi, klo,
-                                         vhi, vlo, red);
-  if (threadIdx.x == 0) unscale_s = ldexpf(1.f, -e - kProbExp);
-  const float scale_log2 = p.root * kLog2e;
+  const int e = stage_buffer<T, D, kWg>(p.keys + bh * p.slots * D, p.vals + bh * p.slots * D, nvalid, rows, khi, klo,
+                                        vhi, vlo, red);
+  if (threadIdx.x == 0) unscale_s = ldexpf(1.f, -e - kProbExp);  // read after the loop's first barrier
+  const float scale_log2 = p.root * kLog2e;  // keys carry √scale, q not yet
+  // mma.sync A fragments: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
+  const int arow = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
   for (int buf = 0; tile < tiles; tile += gridDim.x, buf ^= STAGES - 1) {
     if (STAGES == 1) {
-      __syncthreads();  // the previous tile's products (waited for) are done with qs
+      __syncthreads();  // the previous tile's readers of qs are done (wgmma: waited for)
       load(tile, 0);
     }
     mma::cp_async_wait_all();
-    wgmma::fence_shared_for_async();  // this thread's copies and staging stores, for the products' reads
-    __syncthreads();
+    if constexpr (kWg) wgmma::fence_shared_for_async();  // this thread's copies and stores, for the products' reads
+    __syncthreads();  // the tile (at the first, the buffer) is in; every warp is done with the other stage
     if (STAGES == 2 && tile + static_cast<int>(gridDim.x) < tiles) load(tile + gridDim.x, buf ^ 1);
-    const uint16_t* qw = qs + buf * kBQ * D + 64 * (warp / 4) * D;  // this warpgroup's 64 rows
+    const uint16_t* qt = qs + buf * kBQ * kRow;
 
     float m[2] = {-inf(), -inf()}, l[2] = {0.f, 0.f};
     float o[D / 8][4];
@@ -408,9 +362,11 @@ __device__ __forceinline__ void attend_tiles_wg(const Params& p, Epilogue&& epil
     for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
     for (int c0 = 0; c0 < nvalid; c0 += kChunk) {
       float s[kChunk / 8][4];
-      chunk_scores_wg<T, D>(s, qw, khi + c0 * D, klo + c0 * D);
+      if constexpr (kWg) chunk_scores_wg<T, D>(s, qt + 64 * (warp / 4) * D, khi + c0 * D, klo + c0 * D);
+      else chunk_scores<T, D>(s, qt, arow, acol, khi, klo, c0, nvalid, lane);
       chunk_softmax<D>(s, m, l, o, c0, nvalid, scale_log2, lane);
-      probs_values_wg<D>(o, s, vhi + c0 * D, vlo + c0 * D, nvalid - c0);
+      if constexpr (kWg) probs_values_wg<D>(o, s, vhi + c0 * D, vlo + c0 * D, nvalid - c0);
+      else halves_product<__half, D, kChunk / 8, true>(o, s, vhi + c0 * kRow, vlo + c0 * kRow, nvalid - c0, lane);
     }
     const float unscale = unscale_s;
 #pragma unroll
@@ -419,22 +375,6 @@ __device__ __forceinline__ void attend_tiles_wg(const Params& p, Epilogue&& epil
       for (int i = 0; i < 4; ++i) o[dn][i] *= unscale;
     epilogue(o, m, l, tile * kBQ + 16 * warp + lane / 4);
   }
-}
-
-// The softmax attention of query tiles over the head's buffer: grid (blocks per head, Hq, B), 256 threads, dynamic
-// shared memory OutSmem<D>::bytes(p.slots, STAGES). Per tile, each warp calls epilogue(o, m, l, row0) with its
-// unnormalised o = Σ p vals (scaled back from the product's powers of two), the running max m (base 2) and this
-// lane's part of the row sums l of rows row0 and row0 + 8. STAGES 2: the block's next tile is copied during this one;
-// 1 (where a second tile would cost a resident block, e.g. m 64 at D 128: 104 KB per block): the next tile loads after
-// this one. On wgmma where the kernel is built for sm_90a, else on mma.sync.
-template <typename T, int D, int STAGES, typename Epilogue>
-__device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogue) {
-  static_assert(STAGES == 1 || STAGES == 2, "one or two query tiles");
-#if defined(HFAB_HAS_WGMMA)
-  attend_tiles_wg<T, D, STAGES>(p, epilogue);
-#else
-  attend_tiles_mma<T, D, STAGES>(p, epilogue);
-#endif
 }
 
 // out = softmax(q_s keysᵀ) vals + conv residual, in T.
