@@ -1,11 +1,12 @@
-// Nyström output on tensor cores (mma.sync, sm_80+): out = softmax(q_s keysᵀ) values + conv residual over the
+// Nyström output on tensor cores (mma.sync sm_80+, wgmma sm_90a): out = softmax(q_s keysᵀ) values + conv residual over the
 // key/value buffer of nystrom_kernels.cuh (slots <= 128 fp32 rows per (batch, q head); keys carry √scale).
 //
 // nystrom_out_tc_fwd_kernel: grid (blocks per head, Hq, B), 256 threads = 8 warps, each warp owns 16 rows of a
 // 128-row query tile. A block stages its head's buffer once in shared memory and then takes query tiles
 // blockIdx.x, blockIdx.x + gridDim.x, ...: each tile loads (cp.async) into one shared tile, from which the warps read
 // their A fragments at every chunk (at most 128 registers: two blocks per SM overlap one's loads with the other's
-// products). Per 32-row chunk of the buffer, an online softmax step.
+// products). Per 32-row chunk of the buffer, an online softmax step. Built for sm_90a the products run on wgmma
+// (each warpgroup of four warps takes 64 rows; tiles in core matrices), else on mma.sync.
 // Precision: S = q keysᵀ with q exact in T and keys as a T high part plus a T residual (two mma, ~2^-16 relative
 // for bf16); P values with P and the fp32 values each in two fp16 halves (hi hi + hi lo + lo hi, three m16n8k16:
 // ~2^-22 relative, about fp32), whatever T is, because W = Z (K3 v) can exceed |out| 50-fold (an ill-conditioned K2).
