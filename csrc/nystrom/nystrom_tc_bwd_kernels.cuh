@@ -513,11 +513,11 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
 
 // Dynamic shared memory of the dk/dv kernel: k, v [kStages][64][D + 8] T (the block's key tiles: two stages, the next
 // tile's copy in flight during this one, where two blocks still fit an SM; else one, the next tile's copy in flight
-// during this one's stores); landmarks hi, lo and dW0 hi, lo
-// [kStage][D + 8] T; lse3, rowdot [kStage] fp32. RESIDENT: every landmark row of the group's q heads, staged once per
-// block (64 rows: groups · round16(m) <= 64); else one tile of kLand landmarks at a time, restaged per key tile. kLand
-// is what one pass computes (LAND): 32 at D 128, where the two D-wide fp32 accumulators take 128 registers, else 64
-// (or 32: resident_kv_land).
+// during this one's stores); landmarks hi, lo and dW0 hi, lo [kStage][D + 8] T; lse3, rowdot [kStage] fp32 (the
+// wgmma path: the same tiles in core matrices, rows D apart, within the same bytes). RESIDENT: every landmark row of
+// the group's q heads, staged once per block (64 rows: groups · round16(m) <= 64); else one tile of kLand landmarks at
+// a time, restaged per key tile. kLand is what one pass computes (LAND): 32 at D 128, where the two D-wide fp32
+// accumulators take 128 registers, else 64 (or 32: resident_kv_land).
 template <int D, bool RESIDENT, int LAND = (D == 128 ? 32 : 64)> struct KvSmem {
   static constexpr int kLand = LAND;
   static constexpr int kStage = RESIDENT ? 64 : kLand;
@@ -532,18 +532,32 @@ template <int D, bool RESIDENT, int LAND = (D == 128 ? 32 : 64)> struct KvSmem {
 template <int D> constexpr int resident_kv_land(int m) { return D < 128 && m <= 32 ? 32 : KvSmem<D, true>::kLand; }
 
 // Landmark rows [l0, l0 + count) of head bh (Q̃ and dW0 split into 16-bit halves, lse3, rowdot) into stage rows
-// [at, at + rows), rows >= count zero.
-template <typename T, int D>
+// [at, at + rows), rows >= count zero; CORE: the halves in core matrices (mma::core_at; at a multiple of 8).
+template <typename T, int D, bool CORE>
 __device__ __forceinline__ void stage_landmarks(const BwdParams& bp, long long bh, int l0, int count, int rows, int at,
                                                 uint16_t* const (&halves)[4], float* lse, float* rd) {
   const Params& p = bp.p;
-  const int off = at * (D + 8);
-  split_rows<T, D, kK3Threads>(p.q_land + (bh * p.m + l0) * D, count, rows, halves[0] + off, halves[1] + off);
-  split_rows<T, D, kK3Threads>(bp.dw0 + (bh * p.m + l0) * D, count, rows, halves[2] + off, halves[3] + off);
+  const int off = at * (CORE ? D : D + 8);
+  split_rows<T, D, kK3Threads, CORE>(p.q_land + (bh * p.m + l0) * D, count, rows, halves[0] + off, halves[1] + off);
+  split_rows<T, D, kK3Threads, CORE>(bp.dw0 + (bh * p.m + l0) * D, count, rows, halves[2] + off, halves[3] + off);
   for (int c = threadIdx.x; c < rows; c += kK3Threads) {
     lse[at + c] = c < count ? bp.lse3[bh * p.m + l0 + c] : 0.f;
     rd[at + c] = c < count ? bp.rowdot[bh * p.m + l0 + c] : 0.f;
   }
+}
+
+// s = k (Q̃ hi + lo)ᵀ and dp = v (dW0 hi + lo)ᵀ by wgmma: the block's 64 key rows (kt, vt: core matrices) against
+// the stage's landmark rows [0, N) (tile: Q̃ hi, lo, dW0 hi, lo in core matrices); columns past N left 0.
+template <typename T, int D, int N, int NT>
+__device__ __forceinline__ void landmark_scores_wg(float (&s)[NT][4], float (&dp)[NT][4], const uint16_t* kt,
+                                                   const uint16_t* vt, const uint16_t* const (&tile)[4]) {
+  zero(s);
+  zero(dp);
+  wgmma::fence();
+  issue_times_halves<T, D, N>(s, kt, tile[0], tile[1]);
+  issue_times_halves<T, D, N>(dp, vt, tile[2], tile[3]);
+  wgmma::commit_group();
+  wgmma::wait_group<0>();
 }
 
 // Key rows j, j + 8 (< N) of this lane's C-layout accumulators dk, dv (columns 8 dn + 2 t, + 1): the rest of their
@@ -576,14 +590,22 @@ __device__ __forceinline__ void store_key_rows(const BwdParams& bp, int b, int k
 }
 
 // Grid (splits, Hkv, B), 128 threads: block x takes the keys [x · kv_chunk, (x + 1) · kv_chunk) in tiles of 64;
-// RESIDENT only where KvSmem::fits(groups, m).
+// RESIDENT only where KvSmem::fits(groups, m). Built for sm_90a (HFAB_HAS_WGMMA) the block is one warpgroup and the
+// products run on wgmma (the 64 key rows as M, scores N = kLand, products N = D) from tiles in core matrices; the
+// accumulators keep mma.sync's layout per warp, so everything between the products is shared.
 template <typename T, int D, bool RESIDENT, int LAND = KvSmem<D, RESIDENT>::kLand>
 __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2) nystrom_kv_tc_bwd_kernel(const BwdParams bp) {
+#if defined(HFAB_HAS_WGMMA)
+  constexpr bool kWg = true;
+#else
+  constexpr bool kWg = false;
+#endif
   using S = KvSmem<D, RESIDENT, LAND>;
-  constexpr int kLand = S::kLand, kStages = S::kStages, kRow = S::kRow, STAGE = S::kStage;
+  constexpr int kLand = S::kLand, kStages = S::kStages, STAGE = S::kStage;
+  constexpr int kRow = kWg ? D : S::kRow, kKeyTile = kK3Keys * kRow;  // elements per tile row (core: no padding)
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* const kv = reinterpret_cast<uint16_t*>(smem);  // stage s: k at 2 s kKeyTile, v at (2 s + 1) kKeyTile
-  uint16_t* const lhi = kv + 2 * kStages * S::kKeyTile;
+  uint16_t* const lhi = kv + 2 * kStages * kKeyTile;
   uint16_t* const halves[4] = {lhi, lhi + STAGE * kRow, lhi + 2 * STAGE * kRow, lhi + 3 * STAGE * kRow};
   float* const lse = reinterpret_cast<float*>(lhi + 4 * STAGE * kRow);
   float* const rd = lse + STAGE;
@@ -596,17 +618,17 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
   const float scale_log2 = p.root * kLog2e;
   const auto load_keys = [&](int j0, int stage) {
     const auto ok = [=](int r) { return j0 + r < n; };
-    uint16_t* kt = kv + 2 * stage * S::kKeyTile;
-    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt, static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h, p.sk.n,
-                                                 j0, ok);
-    mma::load_rows_async<kK3Keys, D, kK3Threads>(kt + S::kKeyTile,
-                                                 static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h, p.sv.n, j0, ok);
+    uint16_t* kt = kv + 2 * stage * kKeyTile;
+    mma::load_rows_async<kK3Keys, D, kK3Threads, false, kWg>(
+        kt, static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h, p.sk.n, j0, ok);
+    mma::load_rows_async<kK3Keys, D, kK3Threads, false, kWg>(
+        kt + kKeyTile, static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h, p.sv.n, j0, ok);
   };
   if (landmark && first < last) load_keys(first, 0);  // in flight while the landmarks are staged
   if (landmark && RESIDENT) {
     for (int hi = 0; hi < p.groups; ++hi)
-      stage_landmarks<T, D>(bp, (long long)b * p.hq + kvh * p.groups + hi, 0, p.m, per_head, hi * per_head, halves, lse,
-                            rd);
+      stage_landmarks<T, D, kWg>(bp, (long long)b * p.hq + kvh * p.groups + hi, 0, p.m, per_head, hi * per_head,
+                                 halves, lse, rd);
   }
 
 #pragma unroll 1
@@ -626,13 +648,14 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
       const auto wait_for_tile = [ahead] {  // this tile's k and v, not the next one's
         if (ahead) mma::cp_async_wait_prior<2>();
         else mma::cp_async_wait_all();
+        if constexpr (kWg) wgmma::fence_shared_for_async();  // this thread's copies and stores, for the products
       };
       if (RESIDENT) {
         wait_for_tile();
         __syncthreads();
       }
-      const uint16_t* kt = kv + 2 * stage * S::kKeyTile;
-      const uint16_t* vt = kt + S::kKeyTile;
+      const uint16_t* kt = kv + 2 * stage * kKeyTile;
+      const uint16_t* vt = kt + kKeyTile;
       float bias[2];  // 0 / -inf for this lane's key rows g, g + 8
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -646,7 +669,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
           const int count = min(p.m - l0, kLand);
           if (!RESIDENT) {
             __syncthreads();  // the previous tile's readers are done
-            stage_landmarks<T, D>(bp, bh, l0, count, kLand, 0, halves, lse, rd);
+            stage_landmarks<T, D, kWg>(bp, bh, l0, count, kLand, 0, halves, lse, rd);
             wait_for_tile();
             __syncthreads();
           }
@@ -654,7 +677,13 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
           const uint16_t* const tile[4] = {halves[0] + at * kRow, halves[1] + at * kRow, halves[2] + at * kRow,
                                            halves[3] + at * kRow};
           float s[kLand / 8][4], dp[kLand / 8][4];  // S3ᵀ = k Q̃ᵀ, dP3ᵀ = v dW0ᵀ (keys x landmarks)
-          scores_against_halves<T, D>(s, dp, kt, vt, tile, count, warp, lane);
+          if constexpr (kWg) {  // N: the fewest columns that hold `count` and stay within the stage
+            if (count <= 16) landmark_scores_wg<T, D, 16>(s, dp, kt, vt, tile);
+            else if (count <= 32) landmark_scores_wg<T, D, 32>(s, dp, kt, vt, tile);
+            else landmark_scores_wg<T, D, kLand>(s, dp, kt, vt, tile);
+          } else {
+            scores_against_halves<T, D>(s, dp, kt, vt, tile, count, warp, lane);
+          }
 #pragma unroll
           for (int c = 0; c < kLand / 8; ++c)
 #pragma unroll
@@ -667,8 +696,13 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
             }
           scale_rows<kLand / 8, D>(s, dv, dv_exps);
           scale_rows<kLand / 8, D>(dp, dk, dk_exps);
-          halves_product<T, D, kLand / 8, true>(dv, s, tile[2], tile[3], count, lane);  // K3ᵀ dW0
-          halves_product<T, D, kLand / 8, true>(dk, dp, tile[0], tile[1], count, lane);  // dS3ᵀ Q̃
+          if constexpr (kWg) {
+            halves_product_wg<T, D, kLand / 8, true>(dv, s, tile[2], tile[3], count);  // K3ᵀ dW0
+            halves_product_wg<T, D, kLand / 8, true>(dk, dp, tile[0], tile[1], count);  // dS3ᵀ Q̃
+          } else {
+            halves_product<T, D, kLand / 8, true>(dv, s, tile[2], tile[3], count, lane);
+            halves_product<T, D, kLand / 8, true>(dk, dp, tile[0], tile[1], count, lane);
+          }
         }
       }
       unscale_rows<D>(dv, dv_exps);

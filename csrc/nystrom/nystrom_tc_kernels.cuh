@@ -256,46 +256,61 @@ __device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D /
   }
 }
 
-// s (64 x kChunk per warpgroup; this warp's 16 rows in the C layout) = the warpgroup's 64 query rows (qw, core
-// matrices) times the chunk's key rows (khi, klo at the chunk's first row)ᵀ, high part plus residual, by wgmma.
+// acc (64 x N of 8 NT columns per warpgroup; this warp's 16 rows in the C layout) += a (the warpgroup's 64 rows, core matrices, D
+// wide) times (b_hi + b_lo)ᵀ (rows [0, N) of two core-matrix tiles, D wide), both K-major, by wgmma: issued only (the
+// caller fences before, commits and waits after).
+template <typename T, int D, int N, int NT>
+__device__ __forceinline__ void issue_times_halves(float (&acc)[NT][4], const uint16_t* a, const uint16_t* b_hi,
+                                                   const uint16_t* b_lo) {
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) {  // K-major operands: core matrices 128 bytes apart in k, 16 D in rows
+    const uint64_t ad = wgmma::descriptor(a + 128 * kc, 128, 16 * D);
+    wgmma::mma<N, T, false>(acc, ad, wgmma::descriptor(b_hi + 128 * kc, 128, 16 * D), true);
+    wgmma::mma<N, T, false>(acc, ad, wgmma::descriptor(b_lo + 128 * kc, 128, 16 * D), true);
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(float (&x)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) x[j][0] = x[j][1] = x[j][2] = x[j][3] = 0.f;
+}
+
+// s (64 x kChunk per warpgroup, C layout) = the warpgroup's 64 query rows (qw, core matrices) times the chunk's key
+// rows (khi, klo at the chunk's first row)ᵀ, high part plus residual, by wgmma.
 template <typename T, int D>
 __device__ __forceinline__ void chunk_scores_wg(float (&s)[kChunk / 8][4], const uint16_t* qw, const uint16_t* khi,
                                                 const uint16_t* klo) {
-#pragma unroll
-  for (int j = 0; j < kChunk / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+  zero(s);
   wgmma::fence();
-#pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc) {  // K-major operands: core matrices 128 bytes apart in k, 16 D in rows
-    const uint64_t a = wgmma::descriptor(qw + 128 * kc, 128, 16 * D);
-    wgmma::mma<kChunk, T, false>(s, a, wgmma::descriptor(khi + 128 * kc, 128, 16 * D), true);
-    wgmma::mma<kChunk, T, false>(s, a, wgmma::descriptor(klo + 128 * kc, 128, 16 * D), true);
-  }
+  issue_times_halves<T, D, kChunk>(s, qw, khi, klo);
   wgmma::commit_group();
   wgmma::wait_group<0>();
 }
 
-// acc (64 x D per warpgroup, C layout) += x (the chunk's probabilities times 2^kProbExp, C layout) times the chunk's
-// value rows (vhi, vlo: fp16 halves, core matrices), x in two fp16 halves from registers: hi hi + lo hi + hi lo, as
+// acc (64 x D per warpgroup, C layout) += x (64 x 8 NT fp32, C layout) times rows [0, 8 NT) of b (core matrices, D
+// wide, MN-major), x in two T halves from registers: hi b + lo b, and with kLo + hi b_lo (b_lo: b's residual), as
 // halves_product. 16-row k-steps at or past row `valid` are skipped (the same count in every warp of the group).
-template <int D>
-__device__ __forceinline__ void probs_values_wg(float (&acc)[D / 8][4], const float (&x)[kChunk / 8][4],
-                                                const uint16_t* vhi, const uint16_t* vlo, int valid) {
-  uint32_t xhi[kChunk / 16][4], xlo[kChunk / 16][4];
+template <typename T, int D, int NT, bool kLo>
+__device__ __forceinline__ void halves_product_wg(float (&acc)[D / 8][4], const float (&x)[NT][4], const uint16_t* b,
+                                                  const uint16_t* b_lo, int valid) {
+  uint32_t xhi[NT / 2][4], xlo[NT / 2][4];
 #pragma unroll
-  for (int kc = 0; kc < kChunk / 16; ++kc)
+  for (int kc = 0; kc < NT / 2; ++kc)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {  // e: (row g, k 0-7), (row g + 8, 0-7), (row g, 8-15), (row g + 8, 8-15)
       const int j = 2 * kc + e / 2, c = 2 * (e % 2);
-      split_pair<__half>(x[j][c], x[j][c + 1], xhi[kc][e], xlo[kc][e]);
+      split_pair<T>(x[j][c], x[j][c + 1], xhi[kc][e], xlo[kc][e]);
     }
   wgmma::fence();
 #pragma unroll
-  for (int kc = 0; kc < kChunk / 16; ++kc) {  // MN-major values: core matrices 16 D bytes apart in k, 128 in n
+  for (int kc = 0; kc < NT / 2; ++kc) {  // MN-major: core matrices 16 D bytes apart in k, 128 in n
     if (16 * kc >= valid) continue;
-    const uint64_t hi = wgmma::descriptor(vhi + 16 * kc * D, 16 * D, 128);
-    wgmma::mma_regs<D, __half, true>(acc, xhi[kc], hi, true);
-    wgmma::mma_regs<D, __half, true>(acc, xlo[kc], hi, true);
-    wgmma::mma_regs<D, __half, true>(acc, xhi[kc], wgmma::descriptor(vlo + 16 * kc * D, 16 * D, 128), true);
+    const uint64_t hi = wgmma::descriptor(b + 16 * kc * D, 16 * D, 128);
+    wgmma::mma_regs<D, T, true>(acc, xhi[kc], hi, true);
+    wgmma::mma_regs<D, T, true>(acc, xlo[kc], hi, true);
+    if constexpr (kLo)
+      wgmma::mma_regs<D, T, true>(acc, xhi[kc], wgmma::descriptor(b_lo + 16 * kc * D, 16 * D, 128), true);
   }
   wgmma::commit_group();
   wgmma::wait_group<0>();
@@ -366,8 +381,9 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
       if constexpr (kWg) chunk_scores_wg<T, D>(s, qt + 64 * (warp / 4) * D, khi + c0 * D, klo + c0 * D);
       else chunk_scores<T, D>(s, qt, arow, acol, khi, klo, c0, nvalid, lane);
       chunk_softmax<D>(s, m, l, o, c0, nvalid, scale_log2, lane);
-      if constexpr (kWg) probs_values_wg<D>(o, s, vhi + c0 * D, vlo + c0 * D, nvalid - c0);
-      else halves_product<__half, D, kChunk / 8, true>(o, s, vhi + c0 * kRow, vlo + c0 * kRow, nvalid - c0, lane);
+      const uint16_t *vh = vhi + c0 * kRow, *vl = vlo + c0 * kRow;
+      if constexpr (kWg) halves_product_wg<__half, D, kChunk / 8, true>(o, s, vh, vl, nvalid - c0);
+      else halves_product<__half, D, kChunk / 8, true>(o, s, vh, vl, nvalid - c0, lane);
     }
     const float unscale = unscale_s;
 #pragma unroll

@@ -36,13 +36,13 @@ def emulator(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wgmma_emulator(tmp_path_factory):
-    """The same kernels built as for sm_90a: the output and row-statistics kernels take their wgmma path."""
+    """The same kernels built as for sm_90a: the output, row-statistics and dk/dv kernels take their wgmma path."""
     return build("nystrom", tmp_path_factory.mktemp("emulation"), defines=("HFAB_EMULATE_WGMMA",))
 
 
 @pytest.fixture(params=["mma.sync", "wgmma"])
-def tile_emulator(request):
-    """The query-tile kernels (attend_tiles) on each of their two paths."""
+def paths_emulator(request):
+    """The kernels with a wgmma path (attend_tiles, dk/dv) on each of their two paths."""
     return request.getfixturevalue("emulator" if request.param == "mma.sync" else "wgmma_emulator")
 
 
@@ -144,15 +144,16 @@ def emulate(lib, k, v, root, t, mask, m, kv_chunk):
     (64, 80, 1, 1, torch.float16, 192, False),    # restaged: passes of 64 and 16 landmarks, a split of three tiles
     (32, 20, 3, 1, torch.float16, 64, True),      # restaged (3 x 32 rows), one tile per block, an exact sequence
     (128, 40, 2, 1, torch.float16, 256, False),   # restaged at D 128: passes of 32 and 8, one split
+    (128, 12, 4, 1, torch.bfloat16, 128, True),   # four q heads resident (4 x 16 rows): the last pass ends the stage
 ])
-def test_dk_dv_kernel_against_the_oracle(emulator, d, m, hq, hkv, dtype, kv_chunk, padded):
+def test_dk_dv_kernel_against_the_oracle(paths_emulator, d, m, hq, hkv, dtype, kv_chunk, padded):
     b, n = 2, 200  # four key tiles, the last one of 8 keys
     mask = None
     if padded:
         mask = make_padding(b, n, min_real=n // 2, seed=d)
         mask[1] = torch.arange(n) < min(m, 20)  # few real tokens: the exact path where m allows it
     k, v, root, t = stage_inputs(b, hq, hkv, n, m, d, dtype, mask, seed=d + m)
-    dk, dv = emulate(emulator, k, v, root, t, mask, m, kv_chunk)
+    dk, dv = emulate(paths_emulator, k, v, root, t, mask, m, kv_chunk)
     want = oracle(k, v, root, t, mask, m, torch.float64)
     base = [x.to(dtype) for x in oracle(k, v, root, t, mask, m, torch.float32)]
     for name, got, w, bl in zip(("dk", "dv"), (dk, dv), want, base):
@@ -440,7 +441,7 @@ QUERY_TILE_CASES = [
 
 
 @pytest.mark.parametrize("d, dtype, slots, nvalid, blocks_per_head, stages, conv_ks, padded", QUERY_TILE_CASES)
-def test_output_kernel_against_the_oracle(tile_emulator, d, dtype, slots, nvalid, blocks_per_head, stages, conv_ks,
+def test_output_kernel_against_the_oracle(paths_emulator, d, dtype, slots, nvalid, blocks_per_head, stages, conv_ks,
                                           padded):
     """The output and, as the forward saves them for the backward, the rows' base-2 log-sum-exp (lse1)."""
     b, hq, hkv, n = 2, 2, 1, 200
@@ -450,7 +451,7 @@ def test_output_kernel_against_the_oracle(tile_emulator, d, dtype, slots, nvalid
     mask = make_padding(b, n, min_real=n // 2, seed=d) if padded else None
     mask_u8 = None if mask is None else mask.to(torch.uint8)
     out, lse = nan_like(q), nan_like(q, (b * hq, n), torch.float32)
-    rc = tile_emulator.nystrom_out_fwd(int(dtype == torch.bfloat16), d, b, hq, hkv, n, slots, ctypes.c_float(d ** -0.25),
+    rc = paths_emulator.nystrom_out_fwd(int(dtype == torch.bfloat16), d, b, hq, hkv, n, slots, ctypes.c_float(d ** -0.25),
                                   blocks_per_head, stages, ptr(q), ptr(v), ptr(keys), ptr(vals), ptr(nv), ptr(conv),
                                   0 if conv is None else conv_ks, ptr(mask_u8), ptr(out), ptr(lse))
     check_rc(rc, "nystrom_out_fwd")
@@ -464,7 +465,7 @@ def test_output_kernel_against_the_oracle(tile_emulator, d, dtype, slots, nvalid
 
 
 @pytest.mark.parametrize("vals_scale", [3e5, 1e-7])
-def test_output_kernel_values_beyond_fp16_range(tile_emulator, vals_scale):
+def test_output_kernel_values_beyond_fp16_range(paths_emulator, vals_scale):
     """The values enter the P values product in fp16 halves times the block's power of two (whatever the input
     dtype): values far above fp16's largest (3e5 > 65,504) or among its subnormals (1e-7, their residuals far below)
     keep the output's precision, per block (batch 0 scaled, batch 1 not). bf16 inputs, so the output can hold them."""
@@ -473,7 +474,7 @@ def test_output_kernel_values_beyond_fp16_range(tile_emulator, vals_scale):
     vals[0] *= vals_scale
     _, _, v = cpu_inputs(b, hkv, hkv, n, n, d, dtype=dtype, seed=5)
     out, lse = nan_like(q), nan_like(q, (b * hq, n), torch.float32)
-    rc = tile_emulator.nystrom_out_fwd(1, d, b, hq, hkv, n, slots, ctypes.c_float(d ** -0.25), 1, 2, ptr(q), ptr(v),
+    rc = paths_emulator.nystrom_out_fwd(1, d, b, hq, hkv, n, slots, ctypes.c_float(d ** -0.25), 1, 2, ptr(q), ptr(v),
                                   ptr(keys), ptr(vals), ptr(nv), None, 0, None, ptr(out), ptr(lse))
     check_rc(rc, "nystrom_out_fwd")
     args = (q, v, keys, vals, nv, None, None)
@@ -484,12 +485,12 @@ def test_output_kernel_values_beyond_fp16_range(tile_emulator, vals_scale):
 
 
 @pytest.mark.parametrize("d, dtype, slots, nvalid, blocks_per_head, stages", [c[:6] for c in QUERY_TILE_CASES])
-def test_row_statistics_kernel_against_the_oracle(tile_emulator, d, dtype, slots, nvalid, blocks_per_head, stages):
+def test_row_statistics_kernel_against_the_oracle(paths_emulator, d, dtype, slots, nvalid, blocks_per_head, stages):
     b, hq, n = 2, 2, 200
     q, dout, keys, vals, nv, _, _ = buffer_inputs(b, hq, n, slots, nvalid, d, dtype, 1.0, seed=d + slots)
     lse1 = nan_like(q, (b * hq, n), torch.float32)
     delta1 = nan_like(q, (b * hq, n), torch.float32)
-    rc = tile_emulator.nystrom_stats_bwd(int(dtype == torch.bfloat16), d, b, hq, n, slots, ctypes.c_float(d ** -0.25),
+    rc = paths_emulator.nystrom_stats_bwd(int(dtype == torch.bfloat16), d, b, hq, n, slots, ctypes.c_float(d ** -0.25),
                                     blocks_per_head, stages, ptr(q), ptr(dout), ptr(keys), ptr(vals), ptr(nv),
                                     ptr(lse1), ptr(delta1))
     check_rc(rc, "nystrom_stats_bwd")

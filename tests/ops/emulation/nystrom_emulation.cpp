@@ -34,6 +34,7 @@ bool key_gradients(const BwdParams& bp, int b) {
   using S = tc::KvSmem<D, RESIDENT, LAND>;
   static_assert(S::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
   const dim3 grid(emu::blocks(bp.p.n, bp.kv_chunk), bp.p.hkv, b);
+  emu::shared_window = reinterpret_cast<const char*>(tc::smem);  // wgmma descriptors count from here
   return emu::launch(grid, tc::kK3Threads, [&] { tc::nystrom_kv_tc_bwd_kernel<T, D, RESIDENT, LAND>(bp); });
 }
 
