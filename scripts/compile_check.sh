@@ -2,7 +2,8 @@
 # Compile check of csrc/ on a CPU-only machine (no GPU needed); .ci/run calls it when csrc has .cu files.
 #  1. builds hf_attention_backends._C with the local CUDA 13 toolkit (CUDA_HOME, default /usr/local/cuda)
 #     against torch==2.14.1 (a CUDA build, from local disk) in a second venv, out of tree (a _C.so inside
-#     the package would break CPU-only imports), with -Xptxas -v: fails on compile errors or any spill;
+#     the package would break CPU-only imports), with -Xptxas -v: fails on compile errors, any spill, or a kernel
+#     whose wgmma ptxas serialises (benchmarks.ptxas_report --strict);
 #  2. loads the built module next to the op schemas exactly as the package defines them (a C++ kernel
 #     whose signature does not match its schema fails here);
 #  3. scripts/nvrtc_check.py: the exact kernels for sm_60 and sm_70 with CUDA 12's NVRTC + ptxas (PyPI).
@@ -43,9 +44,8 @@ echo "built in $((SECONDS - start)) s"
 grep -E "Compiling entry function|Used [0-9]+ registers|spill" "$OUT/build.log" \
   | sed -E "s/^ptxas info *: //" >"$OUT/ptxas.txt" || true
 echo "kernels compiled (entry functions x archs): $(grep -c "Compiling entry function" "$OUT/ptxas.txt" || true)"
-if grep -E "[1-9][0-9]* bytes spill (stores|loads)" "$OUT/ptxas.txt" >/dev/null; then
-  grep -B2 -E "[1-9][0-9]* bytes spill (stores|loads)" "$OUT/ptxas.txt"
-  echo "compile_check: register spills (see above)"
+if ! "$PY" -m benchmarks.ptxas_report "$OUT/build.log" --spills --strict; then
+  echo "compile_check: register spills or wgmma serialised by ptxas (see above)"
   exit 1
 fi
 SO=$(find "$OUT/lib" -name "_C*.so" | head -1)

@@ -22,7 +22,7 @@ OBJ=/tmp/nvcc_one_$(basename "$SRC" .cu)_$$.o
 # shellcheck disable=SC2086
 "$CUDA_HOME/bin/nvcc" -c "$SRC" -o "$OBJ" -Icsrc $INCLUDES -std=c++20 -O3 --use_fast_math -lineinfo \
   --expt-relaxed-constexpr -D_GLIBCXX_USE_CXX11_ABI="$ABI" -Xcompiler -fPIC -Xptxas=-v "${GENCODE[@]}" 2>&1 \
-  | grep -E "error|warning|Compiling entry|Used [0-9]+ registers|spill" | sed -E "s/^ptxas info *: //"
+  | grep -E "error|warning|Compiling entry|Used [0-9]+ registers|spill|Performance Loss" | sed -E "s/^ptxas info *: //"
 status=${PIPESTATUS[0]}
 rm -f "$OBJ"
 exit "$status"

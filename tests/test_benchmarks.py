@@ -288,6 +288,14 @@ ptxas info    : Function properties for _Z14exact_bwd_kernelPf
     48 bytes stack frame, 40 bytes spill stores, 36 bytes spill loads
 ptxas info    : Used 255 registers, 400 bytes cmem[0]
 """
+SERIALISED_LOG = """\
+ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to program \
+dependence on compiler-inserted WG.AR in divergent path in the function '_Z9kv_kernelPf'
+ptxas info    : Compiling entry function '_Z9kv_kernelPf' for 'sm_90a'
+ptxas info    : Function properties for _Z9kv_kernelPf
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 218 registers, used 1 barriers
+"""
 
 
 def test_ptxas_report_parses_registers_and_spills(tmp_path, capsys):
@@ -298,8 +306,25 @@ def test_ptxas_report_parses_registers_and_spills(tmp_path, capsys):
     log.write_text(PTXAS_LOG)
     assert ptxas_report.main([str(log), "--spills"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "ptxas: 2 kernel x arch entries, 1 with spills"
+    assert out[0] == "ptxas: 2 kernel x arch entries, 1 with spills, 0 with wgmma serialised"
     assert len(out) == 2 and "sm_80" in out[1] and "255 regs" in out[1] and "40/36" in out[1]
+    assert ptxas_report.main([str(log), "--strict"]) == 1  # the spill
+    capsys.readouterr()
+
+
+def test_ptxas_report_flags_serialised_wgmma(tmp_path, capsys):
+    assert ptxas_report.serialised(SERIALISED_LOG) == {
+        "_Z9kv_kernelPf": "program dependence on compiler-inserted WG.AR in divergent path"}
+    log = tmp_path / "build.log"
+    log.write_text(SERIALISED_LOG)
+    assert ptxas_report.main([str(log), "--spills"]) == 0
+    assert ptxas_report.main([str(log), "--spills", "--strict"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2] == "ptxas: 1 kernel x arch entries, 0 with spills, 1 with wgmma serialised"
+    assert out[-1].startswith("wgmma serialised (program dependence on compiler-inserted WG.AR") and "kv_kernel" in out[-1]
+    log.write_text(SERIALISED_LOG.split("\n", 1)[1])  # the same kernel without the remark
+    assert ptxas_report.main([str(log), "--strict"]) == 0
+    assert capsys.readouterr().out.startswith("ptxas: 1 kernel x arch entries, 0 with spills, 0 with wgmma serialised")
 
 
 KERNEL_SOURCE = """\

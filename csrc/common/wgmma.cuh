@@ -1,5 +1,5 @@
 // Hopper warpgroup mma (wgmma.mma_async, sm_90a) through inline PTX: shared-memory matrix descriptors without
-// swizzling, the fence / commit / wait that order the asynchronous products, and m64nNk16 (N 16, 32, 64, 128) with fp16
+// swizzling, the fence / commit / wait that order the asynchronous products, and m64nNk16 (N 32, 64, 128) with fp16
 // or bf16 operands, A from shared memory or registers, fp32 accumulators. Checked against the hardware by
 // scripts/wgmma_check.cu (operand layouts, descriptor offsets, accumulator layout of m64n64k16 with A in shared
 // memory). The instructions exist on sm_90a targets only: there `HFAB_HAS_WGMMA` is defined, and a kernel picks its
@@ -58,22 +58,6 @@ __device__ __forceinline__ void wait_group() {
   HFAB_WGMMA_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
-#define HFAB_WGMMA_D8 "{%0, %1, %2, %3, %4, %5, %6, %7}"
-#define HFAB_WGMMA_D8_OPERANDS(d) \
-  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
-#define HFAB_WGMMA_SS_N16(type) \
-  HFAB_WGMMA_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n" \
-                 "wgmma.mma_async.sync.aligned.m64n16k16.f32." type "." type " " HFAB_WGMMA_D8 \
-                 ", %8, %9, p, 1, 1, 0, %11;\n}\n" \
-                 : HFAB_WGMMA_D8_OPERANDS(d) \
-                 : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)), "n"(TRANS_B ? 1 : 0))
-#define HFAB_WGMMA_RS_N16(type) \
-  HFAB_WGMMA_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n" \
-                 "wgmma.mma_async.sync.aligned.m64n16k16.f32." type "." type " " HFAB_WGMMA_D8 \
-                 ", {%8, %9, %10, %11}, %12, p, 1, 1, %14;\n}\n" \
-                 : HFAB_WGMMA_D8_OPERANDS(d) \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)), \
-                   "n"(TRANS_B ? 1 : 0))
 #define HFAB_WGMMA_D16 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define HFAB_WGMMA_D16_OPERANDS(d) \
@@ -145,20 +129,19 @@ __device__ __forceinline__ void wait_group() {
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)), \
                    "n"(TRANS_B ? 1 : 0))
 #define HFAB_WGMMA_BY_N(kind)                                          \
-  if constexpr (N == 16) HFAB_WGMMA_##kind##_N16(HFAB_WGMMA_TYPE_NAME); \
-  else if constexpr (N == 32) HFAB_WGMMA_##kind##_N32(HFAB_WGMMA_TYPE_NAME); \
+  if constexpr (N == 32) HFAB_WGMMA_##kind##_N32(HFAB_WGMMA_TYPE_NAME); \
   else if constexpr (N == 64) HFAB_WGMMA_##kind##_N64(HFAB_WGMMA_TYPE_NAME); \
   else HFAB_WGMMA_##kind##_N128(HFAB_WGMMA_TYPE_NAME)
 
-// d (+)= A B, 64 x N x 16 (N = 16, 32, 64 or 128), T = __half or __nv_bfloat16, fp32 accumulators (d[j][i] = the
-// accumulator 4 j + i of the layout above, j < N / 8 of d's NT blocks), B from shared memory (descriptor), K-major or, with TRANS_B, MN-major.
+// d (+)= A B, 64 x N x 16 (N = 32, 64 or 128), T = __half or __nv_bfloat16, fp32 accumulators (d[j][i] = the
+// accumulator 4 j + i of the layout above), B from shared memory (descriptor), K-major or, with TRANS_B, MN-major.
 // `mma`: A from shared memory (K-major descriptor). `mma_regs`: A from registers, each warp its 16 rows in the A
 // fragment layout of mma.sync m16n8k16 (a[0]: row g, k 2t and 2t + 1; a[1]: row g + 8; a[2], a[3]: the same rows at
 // k + 8). accumulate = false: d = A B. Asynchronous: fence() before (after any write to d or a), commit_group() and
 // wait_group() before d is read or a is written.
-template <int N, typename T, bool TRANS_B, int NT>
-__device__ __forceinline__ void mma(float (&d)[NT][4], uint64_t a, uint64_t b, bool accumulate) {
-  static_assert((N == 16 || N == 32 || N == 64 || N == 128) && N / 8 <= NT, "wgmma::mma: N is 16, 32, 64 or 128");
+template <int N, typename T, bool TRANS_B>
+__device__ __forceinline__ void mma(float (&d)[N / 8][4], uint64_t a, uint64_t b, bool accumulate) {
+  static_assert(N == 32 || N == 64 || N == 128, "wgmma::mma: N is 32, 64 or 128");
   if constexpr (std::is_same_v<T, __half>) {
 #define HFAB_WGMMA_TYPE_NAME "f16"
     HFAB_WGMMA_BY_N(SS);
@@ -169,9 +152,9 @@ __device__ __forceinline__ void mma(float (&d)[NT][4], uint64_t a, uint64_t b, b
 #undef HFAB_WGMMA_TYPE_NAME
   }
 }
-template <int N, typename T, bool TRANS_B, int NT>
-__device__ __forceinline__ void mma_regs(float (&d)[NT][4], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
-  static_assert((N == 16 || N == 32 || N == 64 || N == 128) && N / 8 <= NT, "wgmma::mma_regs: N is 16, 32, 64 or 128");
+template <int N, typename T, bool TRANS_B>
+__device__ __forceinline__ void mma_regs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
+  static_assert(N == 32 || N == 64 || N == 128, "wgmma::mma_regs: N is 32, 64 or 128");
   if constexpr (std::is_same_v<T, __half>) {
 #define HFAB_WGMMA_TYPE_NAME "f16"
     HFAB_WGMMA_BY_N(RS);
@@ -184,10 +167,6 @@ __device__ __forceinline__ void mma_regs(float (&d)[NT][4], const uint32_t (&a)[
 }
 
 #undef HFAB_WGMMA_BY_N
-#undef HFAB_WGMMA_SS_N16
-#undef HFAB_WGMMA_RS_N16
-#undef HFAB_WGMMA_D8
-#undef HFAB_WGMMA_D8_OPERANDS
 #undef HFAB_WGMMA_SS_N32
 #undef HFAB_WGMMA_RS_N32
 #undef HFAB_WGMMA_D16

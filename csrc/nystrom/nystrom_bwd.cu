@@ -209,7 +209,8 @@ Grads backward(Inputs& in, State& st, const at::Tensor& dout_in, cudaStream_t st
       bp.kv_chunk = static_cast<int>(chunk);
       launch_dynamic(kernel, grid_of(splits, in.hkv, B), tc::kK3Threads, bytes, bp, stream);
     };
-    if (Resident::fits(static_cast<int>(in.groups), static_cast<int>(m)) && on_tensor_cores(Resident::bytes, device)) {
+    if (tc::resident_kv_fits<D>(static_cast<int>(in.groups), static_cast<int>(m)) &&
+        on_tensor_cores(Resident::bytes, device)) {
       if (tc::resident_kv_land<D>(static_cast<int>(m)) == 32) launch.template operator()<true, 32>();
       else launch.template operator()<true, Resident::kLand>();
     } else if (on_tensor_cores(Restaged::bytes, device)) {

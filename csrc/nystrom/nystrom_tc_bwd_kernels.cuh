@@ -515,7 +515,7 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
 // tile's copy in flight during this one, where two blocks still fit an SM; else one, the next tile's copy in flight
 // during this one's stores); landmarks hi, lo and dW0 hi, lo [kStage][D + 8] T; lse3, rowdot [kStage] fp32 (the
 // wgmma path: the same tiles in core matrices, rows D apart, within the same bytes). RESIDENT: every landmark row of
-// the group's q heads, staged once per block (64 rows: groups · round16(m) <= 64); else one tile of kLand landmarks at
+// the group's q heads, staged once per block (64 rows: resident_kv_fits); else one tile of kLand landmarks at
 // a time, restaged per key tile. kLand is what one pass computes (LAND): 32 at D 128, where the two D-wide fp32
 // accumulators take 128 registers, else 64 (or 32: resident_kv_land).
 template <int D, bool RESIDENT, int LAND = (D == 128 ? 32 : 64)> struct KvSmem {
@@ -524,12 +524,19 @@ template <int D, bool RESIDENT, int LAND = (D == 128 ? 32 : 64)> struct KvSmem {
   static constexpr int kStages = D == 128 ? 1 : 2;
   static constexpr int kRow = D + 8, kKeyTile = kK3Keys * kRow;
   static constexpr int bytes = 2 * kStages * kKeyTile * 2 + 4 * kStage * kRow * 2 + 2 * kStage * 4;
-  static __host__ __device__ bool fits(int groups, int m) { return groups * ((m + 15) / 16 * 16) <= 64; }
 };
 
 // kLand of the resident dk/dv kernel for m landmarks: 32 where m <= 32 at D <= 64 (the scores of a pass take half
 // the registers: three blocks per SM instead of two), else KvSmem's.
 template <int D> constexpr int resident_kv_land(int m) { return D < 128 && m <= 32 ? 32 : KvSmem<D, true>::kLand; }
+
+// Whether the group's landmarks stay resident in the dk/dv kernel: each q head takes m rows rounded up to whole passes
+// (resident_kv_land), so that every pass reads rows [at, at + kLand) within the stage, zero past m, and the wgmma
+// products run whole passes without a branch (a branch between them makes ptxas serialise every wgmma).
+template <int D> constexpr bool resident_kv_fits(int groups, int m) {
+  const int land = resident_kv_land<D>(m);
+  return groups * ((m + land - 1) / land * land) <= KvSmem<D, true>::kStage;
+}
 
 // Landmark rows [l0, l0 + count) of head bh (Q̃ and dW0 split into 16-bit halves, lse3, rowdot) into stage rows
 // [at, at + rows), rows >= count zero; CORE: the halves in core matrices (mma::core_at; at a multiple of 8).
@@ -547,9 +554,9 @@ __device__ __forceinline__ void stage_landmarks(const BwdParams& bp, long long b
 }
 
 // s = k (Q̃ hi + lo)ᵀ and dp = v (dW0 hi + lo)ᵀ by wgmma: the block's 64 key rows (kt, vt: core matrices) against
-// the stage's landmark rows [0, N) (tile: Q̃ hi, lo, dW0 hi, lo in core matrices); columns past N left 0.
-template <typename T, int D, int N, int NT>
-__device__ __forceinline__ void landmark_scores_wg(float (&s)[NT][4], float (&dp)[NT][4], const uint16_t* kt,
+// the stage's landmark rows [0, N) (tile: Q̃ hi, lo, dW0 hi, lo in core matrices).
+template <typename T, int D, int N>
+__device__ __forceinline__ void landmark_scores_wg(float (&s)[N / 8][4], float (&dp)[N / 8][4], const uint16_t* kt,
                                                    const uint16_t* vt, const uint16_t* const (&tile)[4]) {
   zero(s);
   zero(dp);
@@ -590,7 +597,7 @@ __device__ __forceinline__ void store_key_rows(const BwdParams& bp, int b, int k
 }
 
 // Grid (splits, Hkv, B), 128 threads: block x takes the keys [x · kv_chunk, (x + 1) · kv_chunk) in tiles of 64;
-// RESIDENT only where KvSmem::fits(groups, m). Built for sm_90a (HFAB_HAS_WGMMA) the block is one warpgroup and the
+// RESIDENT only where resident_kv_fits(groups, m). Built for sm_90a (HFAB_HAS_WGMMA) the block is one warpgroup and the
 // products run on wgmma (the 64 key rows as M, scores N = kLand, products N = D) from tiles in core matrices; the
 // accumulators keep mma.sync's layout per warp, so everything between the products is shared.
 template <typename T, int D, bool RESIDENT, int LAND = KvSmem<D, RESIDENT>::kLand>
@@ -614,7 +621,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
   const int kvh = blockIdx.y, b = blockIdx.z, n = p.n;
   const int first = blockIdx.x * bp.kv_chunk, last = min(n, first + bp.kv_chunk);
   const bool landmark = bp.landmarks && !bp.exact[b];
-  const int per_head = (p.m + 15) / 16 * 16;
+  const int per_head = (p.m + kLand - 1) / kLand * kLand;  // resident rows per q head: whole passes
   const float scale_log2 = p.root * kLog2e;
   const auto load_keys = [&](int j0, int stage) {
     const auto ok = [=](int r) { return j0 + r < n; };
@@ -677,10 +684,8 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
           const uint16_t* const tile[4] = {halves[0] + at * kRow, halves[1] + at * kRow, halves[2] + at * kRow,
                                            halves[3] + at * kRow};
           float s[kLand / 8][4], dp[kLand / 8][4];  // S3ᵀ = k Q̃ᵀ, dP3ᵀ = v dW0ᵀ (keys x landmarks)
-          if constexpr (kWg) {  // N: the fewest columns that hold `count` and stay within the stage
-            if (count <= 16) landmark_scores_wg<T, D, 16>(s, dp, kt, vt, tile);
-            else if (count <= 32) landmark_scores_wg<T, D, 32>(s, dp, kt, vt, tile);
-            else landmark_scores_wg<T, D, kLand>(s, dp, kt, vt, tile);
+          if constexpr (kWg) {
+            landmark_scores_wg<T, D, kLand>(s, dp, kt, vt, tile);
           } else {
             scores_against_halves<T, D>(s, dp, kt, vt, tile, count, warp, lane);
           }
@@ -697,8 +702,8 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
           scale_rows<kLand / 8, D>(s, dv, dv_exps);
           scale_rows<kLand / 8, D>(dp, dk, dk_exps);
           if constexpr (kWg) {
-            halves_product_wg<T, D, kLand / 8, true>(dv, s, tile[2], tile[3], count);  // K3ᵀ dW0
-            halves_product_wg<T, D, kLand / 8, true>(dk, dp, tile[0], tile[1], count);  // dS3ᵀ Q̃
+            halves_product_wg<T, D, kLand / 8, true>(dv, s, tile[2], tile[3]);  // K3ᵀ dW0
+            halves_product_wg<T, D, kLand / 8, true>(dk, dp, tile[0], tile[1]);  // dS3ᵀ Q̃
           } else {
             halves_product<T, D, kLand / 8, true>(dv, s, tile[2], tile[3], count, lane);
             halves_product<T, D, kLand / 8, true>(dk, dp, tile[0], tile[1], count, lane);

@@ -256,11 +256,11 @@ __device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D /
   }
 }
 
-// acc (64 x N of 8 NT columns per warpgroup; this warp's 16 rows in the C layout) += a (the warpgroup's 64 rows, core matrices, D
+// acc (64 x N per warpgroup; this warp's 16 rows in the C layout) += a (the warpgroup's 64 rows, core matrices, D
 // wide) times (b_hi + b_lo)ᵀ (rows [0, N) of two core-matrix tiles, D wide), both K-major, by wgmma: issued only (the
 // caller fences before, commits and waits after).
-template <typename T, int D, int N, int NT>
-__device__ __forceinline__ void issue_times_halves(float (&acc)[NT][4], const uint16_t* a, const uint16_t* b_hi,
+template <typename T, int D, int N>
+__device__ __forceinline__ void issue_times_halves(float (&acc)[N / 8][4], const uint16_t* a, const uint16_t* b_hi,
                                                    const uint16_t* b_lo) {
 #pragma unroll
   for (int kc = 0; kc < D / 16; ++kc) {  // K-major operands: core matrices 128 bytes apart in k, 16 D in rows
@@ -290,10 +290,11 @@ __device__ __forceinline__ void chunk_scores_wg(float (&s)[kChunk / 8][4], const
 
 // acc (64 x D per warpgroup, C layout) += x (64 x 8 NT fp32, C layout) times rows [0, 8 NT) of b (core matrices, D
 // wide, MN-major), x in two T halves from registers: hi b + lo b, and with kLo + hi b_lo (b_lo: b's residual), as
-// halves_product. 16-row k-steps at or past row `valid` are skipped (the same count in every warp of the group).
+// halves_product. Every k-step runs: b's rows past the valid ones must be finite (zeros), as x's columns there are 0
+// (a skip is a branch between the products, and ptxas then serialises every wgmma of the kernel).
 template <typename T, int D, int NT, bool kLo>
 __device__ __forceinline__ void halves_product_wg(float (&acc)[D / 8][4], const float (&x)[NT][4], const uint16_t* b,
-                                                  const uint16_t* b_lo, int valid) {
+                                                  const uint16_t* b_lo) {
   uint32_t xhi[NT / 2][4], xlo[NT / 2][4];
 #pragma unroll
   for (int kc = 0; kc < NT / 2; ++kc)
@@ -305,7 +306,6 @@ __device__ __forceinline__ void halves_product_wg(float (&acc)[D / 8][4], const 
   wgmma::fence();
 #pragma unroll
   for (int kc = 0; kc < NT / 2; ++kc) {  // MN-major: core matrices 16 D bytes apart in k, 128 in n
-    if (16 * kc >= valid) continue;
     const uint64_t hi = wgmma::descriptor(b + 16 * kc * D, 16 * D, 128);
     wgmma::mma_regs<D, T, true>(acc, xhi[kc], hi, true);
     wgmma::mma_regs<D, T, true>(acc, xlo[kc], hi, true);
@@ -382,7 +382,7 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
       else chunk_scores<T, D>(s, qt, arow, acol, khi, klo, c0, nvalid, lane);
       chunk_softmax<D>(s, m, l, o, c0, nvalid, scale_log2, lane);
       const uint16_t *vh = vhi + c0 * kRow, *vl = vlo + c0 * kRow;
-      if constexpr (kWg) halves_product_wg<__half, D, kChunk / 8, true>(o, s, vh, vl, nvalid - c0);
+      if constexpr (kWg) halves_product_wg<__half, D, kChunk / 8, true>(o, s, vh, vl);  // rows padded with zeros
       else halves_product<__half, D, kChunk / 8, true>(o, s, vh, vl, nvalid - c0, lane);
     }
     const float unscale = unscale_s;

@@ -144,7 +144,8 @@ def emulate(lib, k, v, root, t, mask, m, kv_chunk):
     (64, 80, 1, 1, torch.float16, 192, False),    # restaged: passes of 64 and 16 landmarks, a split of three tiles
     (32, 20, 3, 1, torch.float16, 64, True),      # restaged (3 x 32 rows), one tile per block, an exact sequence
     (128, 40, 2, 1, torch.float16, 256, False),   # restaged at D 128: passes of 32 and 8, one split
-    (128, 12, 4, 1, torch.bfloat16, 128, True),   # four q heads resident (4 x 16 rows): the last pass ends the stage
+    (128, 12, 2, 1, torch.bfloat16, 128, True),   # two q heads of 12 landmarks resident (2 x 32 rows), padding
+    (64, 16, 4, 1, torch.float16, 128, False),    # four q heads of 16: restaged (4 x 32 rows exceed the stage)
 ])
 def test_dk_dv_kernel_against_the_oracle(paths_emulator, d, m, hq, hkv, dtype, kv_chunk, padded):
     b, n = 2, 200  # four key tiles, the last one of 8 keys

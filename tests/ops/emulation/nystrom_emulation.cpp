@@ -2,7 +2,7 @@
 // CPU through cuda_on_cpu.h and common/ptx.cuh of this folder, each launched as nystrom_host.cuh / nystrom_bwd.cu
 // launch it: K3's forward and backward (grid (splits, ceil(m / 16 W), B Hq) of `chunk` keys each, W = row_warps(m)
 // warps per block), the dk/dv kernel (grid (splits, Hkv, B) of kv_chunk keys each, the resident instance where
-// KvSmem::fits(groups, m)), the buffer gradients of k1 (grid (splits, ceil(slots / 16 W), B Hq) of a_chunk queries
+// resident_kv_fits), the buffer gradients of k1 (grid (splits, ceil(slots / 16 W), B Hq) of a_chunk queries
 // each, W = row_warps(slots)) and dq, the output and the row statistics (grid (blocks per head, Hq, B), one or two
 // query-tile stages), and the landmark means (grid (m, Hq + Hkv, B)). The rest of the Nyström backward (its split plans
 // from the GPU's resident blocks, the side stream) stays with the GPU tests; this harness takes each kernel's inputs
@@ -224,9 +224,8 @@ extern "C" int nystrom_kv_bwd(int bf16, int d, int b, int hq, int hkv, int n, in
   bp.dvals_kv = dvals_kv;
   bp.dk = dk;
   bp.dv = dv;
-  const bool resident = tc::KvSmem<64, true>::fits(p.groups, m);
   return emu::dispatch(bf16, d, [&]<typename T, int D>() {
-    if (!resident) return key_gradients<T, D, false>(bp, b);
+    if (!tc::resident_kv_fits<D>(p.groups, m)) return key_gradients<T, D, false>(bp, b);
     return tc::resident_kv_land<D>(m) == 32 ? key_gradients<T, D, true, 32>(bp, b) : key_gradients<T, D, true>(bp, b);
   });
 }

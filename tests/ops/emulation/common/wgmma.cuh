@@ -49,8 +49,8 @@ float operand(uint64_t desc, int row, int k, bool mn_major) {
 
 // The accumulators of this thread (csrc/common/wgmma.cuh's layout) of D (+)= A B, 64 x N x 16, A's element (row, k)
 // from `elem_a`, B's (n, k) from the descriptor: each summed in double over k and added to d once.
-template <int N, typename T, bool TRANS_B, int NT, typename ElemA>
-void product(float (&d)[NT][4], ElemA elem_a, uint64_t b, bool accumulate) {
+template <int N, typename T, bool TRANS_B, typename ElemA>
+void product(float (&d)[N / 8][4], ElemA elem_a, uint64_t b, bool accumulate) {
   const int lane = threadIdx.x % 32, w = (threadIdx.x % 128) / 32, g = lane / 4, t = lane % 4;
   for (int j = 0; j < N / 8; ++j)
     for (int i = 0; i < 4; ++i) {
@@ -64,17 +64,17 @@ void product(float (&d)[NT][4], ElemA elem_a, uint64_t b, bool accumulate) {
 }  // namespace emulated
 
 // d (+)= A B, 64 x N x 16, A from shared memory (csrc/common/wgmma.cuh).
-template <int N, typename T, bool TRANS_B, int NT>
-void mma(float (&d)[NT][4], uint64_t a, uint64_t b, bool accumulate) {
-  static_assert((N == 16 || N == 32 || N == 64 || N == 128) && N / 8 <= NT, "wgmma::mma: N is 16, 32, 64 or 128");
+template <int N, typename T, bool TRANS_B>
+void mma(float (&d)[N / 8][4], uint64_t a, uint64_t b, bool accumulate) {
+  static_assert(N == 32 || N == 64 || N == 128, "wgmma::mma: N is 32, 64 or 128");
   emulated::product<N, T, TRANS_B>(d, [&](int row, int k) { return emulated::operand<T>(a, row, k, false); }, b,
                                    accumulate);
 }
 
 // The same with A from registers: this warp's 16 rows, gathered from its lanes in mma.sync's A fragment layout.
-template <int N, typename T, bool TRANS_B, int NT>
-void mma_regs(float (&d)[NT][4], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
-  static_assert((N == 16 || N == 32 || N == 64 || N == 128) && N / 8 <= NT, "wgmma::mma_regs: N is 16, 32, 64 or 128");
+template <int N, typename T, bool TRANS_B>
+void mma_regs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
+  static_assert(N == 32 || N == 64 || N == 128, "wgmma::mma_regs: N is 32, 64 or 128");
   struct Regs {
     uint32_t r[4];
   };
