@@ -567,11 +567,12 @@ __device__ __forceinline__ void landmark_scores_wg(float (&s)[N / 8][4], float (
   wgmma::wait_group<0>();
 }
 
-// Key rows j, j + 8 (< N) of this lane's C-layout accumulators dk, dv (columns 8 dn + 2 t, + 1): the rest of their
-// gradients added (key_row_gradients), then dk √scale and dv stored.
+// Key rows j, j + 8 (< N; rows[r] = their key_row) of this lane's C-layout accumulators dk, dv (columns 8 dn + 2 t,
+// + 1): the rest of their gradients added (key_row_gradients), then dk √scale and dv stored.
 template <typename T, int D>
 __device__ __forceinline__ void store_key_rows(const BwdParams& bp, int b, int kvh, int j, bool landmark,
-                                               const float (&dk)[D / 8][4], const float (&dv)[D / 8][4], int t) {
+                                               const KeyRow (&rows)[2], const float (&dk)[D / 8][4],
+                                               const float (&dv)[D / 8][4], int t) {
   const Params& p = bp.p;
   const long long bg = (long long)b * p.hkv + kvh;
 #pragma unroll
@@ -585,7 +586,7 @@ __device__ __forceinline__ void store_key_rows(const BwdParams& bp, int b, int k
       gk[dn] = make_float2(dk[dn][2 * r], dk[dn][2 * r + 1]);
       gv[dn] = make_float2(dv[dn][2 * r], dv[dn][2 * r + 1]);
     }
-    key_row_gradients<T, D>(bp, b, kvh, j, landmark, cols, gk, gv);
+    key_row_gradients<T, D>(bp, b, kvh, j, landmark, rows[r], cols, gk, gv);
     unsigned* dkrow = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dk) + (bg * p.n + j) * D);
     unsigned* dvrow = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dv) + (bg * p.n + j) * D);
 #pragma unroll
@@ -621,6 +622,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
   const int kvh = blockIdx.y, b = blockIdx.z, n = p.n;
   const int first = blockIdx.x * bp.kv_chunk, last = min(n, first + bp.kv_chunk);
   const bool landmark = bp.landmarks && !bp.exact[b];
+  const int n_real = real_length(p, b);
   const int per_head = (p.m + kLand - 1) / kLand * kLand;  // resident rows per q head: whole passes
   const float scale_log2 = p.root * kLog2e;
   const auto load_keys = [&](int j0, int stage) {
@@ -640,6 +642,12 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
 
 #pragma unroll 1
   for (int j0 = first, it = 0; j0 < last; j0 += kK3Keys, ++it) {
+    KeyRow rows[2];  // this lane's key rows g, g + 8, formed now: their loads are in flight during the passes
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int j = j0 + 16 * warp + g + 8 * r;
+      rows[r] = j < n ? key_row(bp, b, n_real, j, landmark) : KeyRow{-1, 0, 0.f};
+    }
     float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn)
@@ -663,12 +671,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
       }
       const uint16_t* kt = kv + 2 * stage * kKeyTile;
       const uint16_t* vt = kt + kKeyTile;
-      float bias[2];  // 0 / -inf for this lane's key rows g, g + 8
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int j = j0 + 16 * warp + g + 8 * r;
-        bias[r] = j < n && (p.mask == nullptr || p.mask[b * p.mask_stride + j]) ? 0.f : -inf();
-      }
+      const float bias[2] = {rows[0].rank >= 0 ? 0.f : -inf(), rows[1].rank >= 0 ? 0.f : -inf()};  // rows g, g + 8
       int dk_exps[2] = {kRowExpMax, kRowExpMax}, dv_exps[2] = {kRowExpMax, kRowExpMax};
       for (int hi = 0; hi < p.groups; ++hi) {  // the group's q heads in a fixed order
         const long long bh = (long long)b * p.hq + kvh * p.groups + hi;
@@ -717,7 +720,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
         load_keys(j0 + kK3Keys, 0);
       }
     }
-    store_key_rows<T, D>(bp, b, kvh, j0 + 16 * warp + g, landmark, dk, dv, t);
+    store_key_rows<T, D>(bp, b, kvh, j0 + 16 * warp + g, landmark, rows, dk, dv, t);
   }
 }
 
