@@ -15,7 +15,8 @@
 //   nystrom_kv_tc_bwd_kernel     per (64 keys, kv head, b): dk, dv (one writer per row) as nystrom_kv_bwd_kernel; for
 //                                landmark sequences the keys' and values' rows (exact) as A operands against each q
 //                                head's landmarks and dW0 (staged in 16-bit halves, 64 at a time): K3ᵀ dW0 and
-//                                dS3ᵀ Q̃ with K3, dS3 in halves against the halves (three m16n8k16 each)
+//                                dS3ᵀ Q̃ with K3, dS3 in halves against the halves (three m16n8k16 each; on sm_90a
+//                                wgmma: the block's warpgroup on its 64 keys, m64n{kLand}k16 and m64nDk16)
 //   nystrom_dq_tc_bwd_kernel     per (blocks per head, q head, b): the head's keys and values in 16-bit halves staged
 //                                once, then every gridDim.x-th 128-query tile: dq = √scale (dS1 keys + the landmark
 //                                term), dS1 in two halves against the key halves (three m16n8k16)
