@@ -555,17 +555,19 @@ __device__ __forceinline__ void stage_landmarks(const BwdParams& bp, long long b
 }
 
 // s = k (Q̃ hi + lo)ᵀ and dp = v (dW0 hi + lo)ᵀ by wgmma: the block's 64 key rows (kt, vt: core matrices) against
-// the stage's landmark rows [0, N) (tile: Q̃ hi, lo, dW0 hi, lo in core matrices).
+// the stage's landmark rows [0, N) (tile: Q̃ hi, lo, dW0 hi, lo in core matrices), issued as two groups: s's, then
+// dp's (wait_group<1> before reading s, <0> before dp).
 template <typename T, int D, int N>
-__device__ __forceinline__ void landmark_scores_wg(float (&s)[N / 8][4], float (&dp)[N / 8][4], const uint16_t* kt,
-                                                   const uint16_t* vt, const uint16_t* const (&tile)[4]) {
+__device__ __forceinline__ void issue_landmark_scores_wg(float (&s)[N / 8][4], float (&dp)[N / 8][4],
+                                                         const uint16_t* kt, const uint16_t* vt,
+                                                         const uint16_t* const (&tile)[4]) {
   zero(s);
   zero(dp);
   wgmma::fence();
   issue_times_halves<T, D, N>(s, kt, tile[0], tile[1]);
+  wgmma::commit_group();
   issue_times_halves<T, D, N>(dp, vt, tile[2], tile[3]);
   wgmma::commit_group();
-  wgmma::wait_group<0>();
 }
 
 // Key rows j, j + 8 (< N; rows[r] = their key_row) of this lane's C-layout accumulators dk, dv (columns 8 dn + 2 t,
@@ -643,12 +645,6 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
 
 #pragma unroll 1
   for (int j0 = first, it = 0; j0 < last; j0 += kK3Keys, ++it) {
-    KeyRow rows[2];  // this lane's key rows g, g + 8, formed now: their loads are in flight during the passes
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int j = j0 + 16 * warp + g + 8 * r;
-      rows[r] = j < n ? key_row(bp, b, n_real, j, landmark) : KeyRow{-1, 0, 0.f};
-    }
     float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
     for (int dn = 0; dn < D / 8; ++dn)
@@ -672,7 +668,12 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
       }
       const uint16_t* kt = kv + 2 * stage * kKeyTile;
       const uint16_t* vt = kt + kKeyTile;
-      const float bias[2] = {rows[0].rank >= 0 ? 0.f : -inf(), rows[1].rank >= 0 ? 0.f : -inf()};  // rows g, g + 8
+      float bias[2];  // 0 / -inf for this lane's key rows g, g + 8
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int j = j0 + 16 * warp + g + 8 * r;
+        bias[r] = j < n && (p.mask == nullptr || p.mask[b * p.mask_stride + j]) ? 0.f : -inf();
+      }
       int dk_exps[2] = {kRowExpMax, kRowExpMax}, dv_exps[2] = {kRowExpMax, kRowExpMax};
       for (int hi = 0; hi < p.groups; ++hi) {  // the group's q heads in a fixed order
         const long long bh = (long long)b * p.hq + kvh * p.groups + hi;
@@ -688,28 +689,41 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
           const uint16_t* const tile[4] = {halves[0] + at * kRow, halves[1] + at * kRow, halves[2] + at * kRow,
                                            halves[3] + at * kRow};
           float s[kLand / 8][4], dp[kLand / 8][4];  // S3ᵀ = k Q̃ᵀ, dP3ᵀ = v dW0ᵀ (keys x landmarks)
-          if constexpr (kWg) {
-            landmark_scores_wg<T, D, kLand>(s, dp, kt, vt, tile);
-          } else {
-            scores_against_halves<T, D>(s, dp, kt, vt, tile, count, warp, lane);
+          if constexpr (kWg) issue_landmark_scores_wg<T, D, kLand>(s, dp, kt, vt, tile);
+          else scores_against_halves<T, D>(s, dp, kt, vt, tile, count, warp, lane);
+          float2 lse_c[kLand / 8], rd_c[kLand / 8];  // this lane's columns 8 c + 2 t, + 1 (during wgmma's scores)
+#pragma unroll
+          for (int c = 0; c < kLand / 8; ++c) {
+            lse_c[c] = *reinterpret_cast<const float2*>(lse + at + 8 * c + 2 * t);
+            rd_c[c] = *reinterpret_cast<const float2*>(rd + at + 8 * c + 2 * t);
           }
+          if constexpr (kWg) wgmma::wait_group<1>();  // s (dp's scores may still run)
 #pragma unroll
           for (int c = 0; c < kLand / 8; ++c)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {  // key row g + 8 (e / 2), landmark column 8 c + 2 t + e % 2
-              const int col = 8 * c + 2 * t + (e & 1);
-              const bool in = col < count;  // past it the stage rows belong to the next head, or to nothing
-              const float pr = in ? exp2f(fmaf(s[c][e], scale_log2, bias[e >> 1]) - lse[at + col]) : 0.f;
-              s[c][e] = pr;
-              dp[c][e] = in ? pr * (dp[c][e] - rd[at + col]) : 0.f;
+              const bool in = 8 * c + 2 * t + (e & 1) < count;  // past it: zero rows, the next head's, or nothing
+              const float l = e & 1 ? lse_c[c].y : lse_c[c].x;
+              s[c][e] = in ? exp2f(fmaf(s[c][e], scale_log2, bias[e >> 1]) - l) : 0.f;
             }
-          scale_rows<kLand / 8, D>(s, dv, dv_exps);
-          scale_rows<kLand / 8, D>(dp, dk, dk_exps);
-          if constexpr (kWg) {
+          scale_rows<kLand / 8, D>(s, dv, dv_exps);  // s = K3ᵀ (times the rows' powers of two)
+          if constexpr (kWg) wgmma::wait_group<0>();  // dp
+#pragma unroll
+          for (int c = 0; c < kLand / 8; ++c)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {  // dS3ᵀ = K3ᵀ (dP3ᵀ - rowdot), K3ᵀ from s without its power of two
+              const bool in = 8 * c + 2 * t + (e & 1) < count;
+              const float r = e & 1 ? rd_c[c].y : rd_c[c].x;
+              dp[c][e] = in ? s[c][e] * pow2(-dv_exps[e >> 1]) * (dp[c][e] - r) : 0.f;
+            }
+          if constexpr (kWg) {  // the dv product runs while dS3 is scaled and split
             halves_product_wg<T, D, kLand / 8, true>(dv, s, tile[2], tile[3]);  // K3ᵀ dW0
+            scale_rows<kLand / 8, D>(dp, dk, dk_exps);
             halves_product_wg<T, D, kLand / 8, true>(dk, dp, tile[0], tile[1]);  // dS3ᵀ Q̃
+            wgmma::wait_group<0>();
           } else {
             halves_product<T, D, kLand / 8, true>(dv, s, tile[2], tile[3], count, lane);
+            scale_rows<kLand / 8, D>(dp, dk, dk_exps);
             halves_product<T, D, kLand / 8, true>(dk, dp, tile[0], tile[1], count, lane);
           }
         }
@@ -720,6 +734,12 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
         __syncthreads();
         load_keys(j0 + kK3Keys, 0);
       }
+    }
+    KeyRow rows[2];  // this lane's key rows g, g + 8 (formed at the tile's start: no faster, 6 registers more)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int j = j0 + 16 * warp + g + 8 * r;
+      rows[r] = j < n ? key_row(bp, b, n_real, j, landmark) : KeyRow{-1, 0, 0.f};
     }
     store_key_rows<T, D>(bp, b, kvh, j0 + 16 * warp + g, landmark, rows, dk, dv, t);
   }
