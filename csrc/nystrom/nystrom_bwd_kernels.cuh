@@ -56,18 +56,11 @@ struct BwdParams {
   void* dv;
 };
 
-// Real tokens of batch b.
-__device__ __forceinline__ int real_length(const Params& p, int b) { return p.n_real != nullptr ? p.n_real[b] : p.n; }
-
-// 1 / |segment| of the landmark of real token `rank` of batch b (n_real real tokens), and that landmark
-// (segment_bounds' rule).
-__device__ __forceinline__ float segment_share(const Params& p, int b, int n_real, int rank, int& lt) {
-  lt = min(rank / max(n_real / p.m, 1), p.m - 1);
-  return 1.f / fmaxf(p.counts[(long long)b * p.m + lt], 1.f);
-}
-
+// 1 / |segment| of the landmark of real token `rank` of batch b, and that landmark (segment_bounds' rule).
 __device__ __forceinline__ float segment_share(const Params& p, int b, int rank, int& lt) {
-  return segment_share(p, b, real_length(p, b), rank, lt);
+  const int n = p.n_real != nullptr ? p.n_real[b] : p.n;
+  lt = min(rank / max(n / p.m, 1), p.m - 1);
+  return 1.f / fmaxf(p.counts[(long long)b * p.m + lt], 1.f);
 }
 
 // Rank of token j among the real tokens of batch b, or -1 when j is padding.
@@ -318,40 +311,27 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_k3_bwd_kernel(const BwdPa
   }
 }
 
-// Where key row j (< N) of batch b (n_real real tokens) stands: its rank among the real tokens (-1: padding) and, in a
-// landmark sequence, its landmark segment lt and share 1 / |segment|. A kernel may form it long before key_row_gradients needs it, so
-// that the dependent loads (mask, cumsum, counts) are in flight during other work.
-struct KeyRow {
-  int rank, lt;
-  float share;
-};
-
-__device__ __forceinline__ KeyRow key_row(const BwdParams& bp, int b, int n_real, int j, bool landmark) {
-  KeyRow row{real_rank(bp, b, j), 0, 0.f};
-  if (landmark && row.rank >= 0) row.share = segment_share(bp.p, b, n_real, row.rank, row.lt);
-  return row;
-}
-
-// The gradients of key row j (< N; `row`: its key_row) of batch b, kv head kvh, in this thread's
-// column pairs cols[i] (fp32, dk before its √scale): on entry gk, gv hold what the landmark path accumulated (dS3ᵀ Q̃
-// and K3ᵀ dW0; zero for exact sequences); adds the landmark keys' gradient spread over their segments, or for exact
-// sequences the gradient of the token's buffer slot, and the conv residual's; padding rows get 0.
+// The gradients of key row j (< N) of batch b, kv head kvh, in this thread's column pairs cols[i] (fp32, dk before its
+// √scale): on entry gk, gv hold what the landmark path accumulated (dS3ᵀ Q̃ and K3ᵀ dW0; zero for exact sequences);
+// adds the landmark keys' gradient spread over their segments, or for exact sequences the gradient of the token's
+// buffer slot, and the conv residual's; padding rows get 0.
 template <typename T, int D, int NP>
 __device__ __forceinline__ void key_row_gradients(const BwdParams& bp, int b, int kvh, int j, bool landmark,
-                                                  const KeyRow& row, const int (&cols)[NP], float2 (&gk)[NP],
-                                                  float2 (&gv)[NP]) {
+                                                  const int (&cols)[NP], float2 (&gk)[NP], float2 (&gv)[NP]) {
   const Params& p = bp.p;
   const long long bg = (long long)b * p.hkv + kvh;
-  const int rank = row.rank;
+  const int rank = real_rank(bp, b, j);
   if (rank < 0) {
 #pragma unroll
     for (int i = 0; i < NP; ++i) gk[i] = gv[i] = make_float2(0.f, 0.f);
     return;
   }
   if (landmark) {
-    const float* dkl = bp.dkl + (bg * p.m + row.lt) * D;
+    int lt;
+    const float share = segment_share(p, b, rank, lt);
+    const float* dkl = bp.dkl + (bg * p.m + lt) * D;
 #pragma unroll
-    for (int i = 0; i < NP; ++i) add_row(gk[i], dkl, cols[i], row.share);
+    for (int i = 0; i < NP; ++i) add_row(gk[i], dkl, cols[i], share);
   } else if (rank < p.slots) {
     const float* dkr = bp.dkeys_kv + (bg * p.slots + rank) * D;
     const float* dvr = bp.dvals_kv + (bg * p.slots + rank) * D;
@@ -468,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 2) nystrom_kv_bwd_kernel(const BwdPa
       dk[c] = acck[i][c];
       dv[c] = accv[i][c];
     }
-    key_row_gradients<T, D>(bp, b, g, j, landmark, key_row(bp, b, real_length(p, b), j, landmark), cols, dk, dv);
+    key_row_gradients<T, D>(bp, b, g, j, landmark, cols, dk, dv);
     store_row<T, TD>(static_cast<T*>(bp.dk) + (bg * p.n + j) * D, dk, p.root, tx);  // k_s = k √scale
     store_row<T, TD>(static_cast<T*>(bp.dv) + (bg * p.n + j) * D, dv, 1.f, tx);
   }

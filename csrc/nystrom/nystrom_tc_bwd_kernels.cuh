@@ -555,27 +555,24 @@ __device__ __forceinline__ void stage_landmarks(const BwdParams& bp, long long b
 }
 
 // s = k (Q̃ hi + lo)ᵀ and dp = v (dW0 hi + lo)ᵀ by wgmma: the block's 64 key rows (kt, vt: core matrices) against
-// the stage's landmark rows [0, N) (tile: Q̃ hi, lo, dW0 hi, lo in core matrices), issued as two groups: s's, then
-// dp's (wait_group<1> before reading s, <0> before dp).
+// the stage's landmark rows [0, N) (tile: Q̃ hi, lo, dW0 hi, lo in core matrices).
 template <typename T, int D, int N>
-__device__ __forceinline__ void issue_landmark_scores_wg(float (&s)[N / 8][4], float (&dp)[N / 8][4],
-                                                         const uint16_t* kt, const uint16_t* vt,
-                                                         const uint16_t* const (&tile)[4]) {
+__device__ __forceinline__ void landmark_scores_wg(float (&s)[N / 8][4], float (&dp)[N / 8][4], const uint16_t* kt,
+                                                   const uint16_t* vt, const uint16_t* const (&tile)[4]) {
   zero(s);
   zero(dp);
   wgmma::fence();
   issue_times_halves<T, D, N>(s, kt, tile[0], tile[1]);
-  wgmma::commit_group();
   issue_times_halves<T, D, N>(dp, vt, tile[2], tile[3]);
   wgmma::commit_group();
+  wgmma::wait_group<0>();
 }
 
-// Key rows j, j + 8 (< N; rows[r] = their key_row) of this lane's C-layout accumulators dk, dv (columns 8 dn + 2 t,
-// + 1): the rest of their gradients added (key_row_gradients), then dk √scale and dv stored.
+// Key rows j, j + 8 (< N) of this lane's C-layout accumulators dk, dv (columns 8 dn + 2 t, + 1): the rest of their
+// gradients added (key_row_gradients), then dk √scale and dv stored.
 template <typename T, int D>
 __device__ __forceinline__ void store_key_rows(const BwdParams& bp, int b, int kvh, int j, bool landmark,
-                                               const KeyRow (&rows)[2], const float (&dk)[D / 8][4],
-                                               const float (&dv)[D / 8][4], int t) {
+                                               const float (&dk)[D / 8][4], const float (&dv)[D / 8][4], int t) {
   const Params& p = bp.p;
   const long long bg = (long long)b * p.hkv + kvh;
 #pragma unroll
@@ -589,7 +586,7 @@ __device__ __forceinline__ void store_key_rows(const BwdParams& bp, int b, int k
       gk[dn] = make_float2(dk[dn][2 * r], dk[dn][2 * r + 1]);
       gv[dn] = make_float2(dv[dn][2 * r], dv[dn][2 * r + 1]);
     }
-    key_row_gradients<T, D>(bp, b, kvh, j, landmark, rows[r], cols, gk, gv);
+    key_row_gradients<T, D>(bp, b, kvh, j, landmark, cols, gk, gv);
     unsigned* dkrow = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dk) + (bg * p.n + j) * D);
     unsigned* dvrow = reinterpret_cast<unsigned*>(static_cast<T*>(bp.dv) + (bg * p.n + j) * D);
 #pragma unroll
@@ -625,7 +622,6 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
   const int kvh = blockIdx.y, b = blockIdx.z, n = p.n;
   const int first = blockIdx.x * bp.kv_chunk, last = min(n, first + bp.kv_chunk);
   const bool landmark = bp.landmarks && !bp.exact[b];
-  const int n_real = real_length(p, b);
   const int per_head = (p.m + kLand - 1) / kLand * kLand;  // resident rows per q head: whole passes
   const float scale_log2 = p.root * kLog2e;
   const auto load_keys = [&](int j0, int stage) {
@@ -689,41 +685,28 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
           const uint16_t* const tile[4] = {halves[0] + at * kRow, halves[1] + at * kRow, halves[2] + at * kRow,
                                            halves[3] + at * kRow};
           float s[kLand / 8][4], dp[kLand / 8][4];  // S3ᵀ = k Q̃ᵀ, dP3ᵀ = v dW0ᵀ (keys x landmarks)
-          if constexpr (kWg) issue_landmark_scores_wg<T, D, kLand>(s, dp, kt, vt, tile);
-          else scores_against_halves<T, D>(s, dp, kt, vt, tile, count, warp, lane);
-          float2 lse_c[kLand / 8], rd_c[kLand / 8];  // this lane's columns 8 c + 2 t, + 1 (during wgmma's scores)
-#pragma unroll
-          for (int c = 0; c < kLand / 8; ++c) {
-            lse_c[c] = *reinterpret_cast<const float2*>(lse + at + 8 * c + 2 * t);
-            rd_c[c] = *reinterpret_cast<const float2*>(rd + at + 8 * c + 2 * t);
+          if constexpr (kWg) {
+            landmark_scores_wg<T, D, kLand>(s, dp, kt, vt, tile);
+          } else {
+            scores_against_halves<T, D>(s, dp, kt, vt, tile, count, warp, lane);
           }
-          if constexpr (kWg) wgmma::wait_group<1>();  // s (dp's scores may still run)
 #pragma unroll
           for (int c = 0; c < kLand / 8; ++c)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {  // key row g + 8 (e / 2), landmark column 8 c + 2 t + e % 2
-              const bool in = 8 * c + 2 * t + (e & 1) < count;  // past it: zero rows, the next head's, or nothing
-              const float l = e & 1 ? lse_c[c].y : lse_c[c].x;
-              s[c][e] = in ? exp2f(fmaf(s[c][e], scale_log2, bias[e >> 1]) - l) : 0.f;
+              const int col = 8 * c + 2 * t + (e & 1);
+              const bool in = col < count;  // past it the stage rows belong to the next head, or to nothing
+              const float pr = in ? exp2f(fmaf(s[c][e], scale_log2, bias[e >> 1]) - lse[at + col]) : 0.f;
+              s[c][e] = pr;
+              dp[c][e] = in ? pr * (dp[c][e] - rd[at + col]) : 0.f;
             }
-          scale_rows<kLand / 8, D>(s, dv, dv_exps);  // s = K3ᵀ (times the rows' powers of two)
-          if constexpr (kWg) wgmma::wait_group<0>();  // dp
-#pragma unroll
-          for (int c = 0; c < kLand / 8; ++c)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {  // dS3ᵀ = K3ᵀ (dP3ᵀ - rowdot), K3ᵀ from s without its power of two
-              const bool in = 8 * c + 2 * t + (e & 1) < count;
-              const float r = e & 1 ? rd_c[c].y : rd_c[c].x;
-              dp[c][e] = in ? s[c][e] * pow2(-dv_exps[e >> 1]) * (dp[c][e] - r) : 0.f;
-            }
-          if constexpr (kWg) {  // the dv product runs while dS3 is scaled and split
+          scale_rows<kLand / 8, D>(s, dv, dv_exps);
+          scale_rows<kLand / 8, D>(dp, dk, dk_exps);
+          if constexpr (kWg) {
             halves_product_wg<T, D, kLand / 8, true>(dv, s, tile[2], tile[3]);  // K3ᵀ dW0
-            scale_rows<kLand / 8, D>(dp, dk, dk_exps);
             halves_product_wg<T, D, kLand / 8, true>(dk, dp, tile[0], tile[1]);  // dS3ᵀ Q̃
-            wgmma::wait_group<0>();
           } else {
             halves_product<T, D, kLand / 8, true>(dv, s, tile[2], tile[3], count, lane);
-            scale_rows<kLand / 8, D>(dp, dk, dk_exps);
             halves_product<T, D, kLand / 8, true>(dk, dp, tile[0], tile[1], count, lane);
           }
         }
@@ -735,13 +718,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
         load_keys(j0 + kK3Keys, 0);
       }
     }
-    KeyRow rows[2];  // this lane's key rows g, g + 8 (formed at the tile's start: no faster, 6 registers more)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int j = j0 + 16 * warp + g + 8 * r;
-      rows[r] = j < n ? key_row(bp, b, n_real, j, landmark) : KeyRow{-1, 0, 0.f};
-    }
-    store_key_rows<T, D>(bp, b, kvh, j0 + 16 * warp + g, landmark, rows, dk, dv, t);
+    store_key_rows<T, D>(bp, b, kvh, j0 + 16 * warp + g, landmark, dk, dv, t);
   }
 }
 

@@ -291,8 +291,7 @@ __device__ __forceinline__ void chunk_scores_wg(float (&s)[kChunk / 8][4], const
 // acc (64 x D per warpgroup, C layout) += x (64 x 8 NT fp32, C layout) times rows [0, 8 NT) of b (core matrices, D
 // wide, MN-major), x in two T halves from registers: hi b + lo b, and with kLo + hi b_lo (b_lo: b's residual), as
 // halves_product. Every k-step runs: b's rows past the valid ones must be finite (zeros), as x's columns there are 0
-// (a skip is a branch between the products, and ptxas then serialises every wgmma of the kernel). Issued and
-// committed as one group: wait_group before reading acc.
+// (a skip is a branch between the products, and ptxas then serialises every wgmma of the kernel).
 template <typename T, int D, int NT, bool kLo>
 __device__ __forceinline__ void halves_product_wg(float (&acc)[D / 8][4], const float (&x)[NT][4], const uint16_t* b,
                                                   const uint16_t* b_lo) {
@@ -314,6 +313,7 @@ __device__ __forceinline__ void halves_product_wg(float (&acc)[D / 8][4], const 
       wgmma::mma_regs<D, T, true>(acc, xhi[kc], wgmma::descriptor(b_lo + 16 * kc * D, 16 * D, 128), true);
   }
   wgmma::commit_group();
+  wgmma::wait_group<0>();
 }
 
 // The softmax attention of query tiles over the head's buffer: grid (blocks per head, Hq, B), 256 threads, dynamic
@@ -382,12 +382,8 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
       else chunk_scores<T, D>(s, qt, arow, acol, khi, klo, c0, nvalid, lane);
       chunk_softmax<D>(s, m, l, o, c0, nvalid, scale_log2, lane);
       const uint16_t *vh = vhi + c0 * kRow, *vl = vlo + c0 * kRow;
-      if constexpr (kWg) {
-        halves_product_wg<__half, D, kChunk / 8, true>(o, s, vh, vl);  // rows padded with zeros
-        wgmma::wait_group<0>();
-      } else {
-        halves_product<__half, D, kChunk / 8, true>(o, s, vh, vl, nvalid - c0, lane);
-      }
+      if constexpr (kWg) halves_product_wg<__half, D, kChunk / 8, true>(o, s, vh, vl);  // rows padded with zeros
+      else halves_product<__half, D, kChunk / 8, true>(o, s, vh, vl, nvalid - c0, lane);
     }
     const float unscale = unscale_s;
 #pragma unroll
