@@ -57,15 +57,17 @@ def segment_counts(n_real, m):
     return counts
 
 
-def stage_inputs(b, hq, hkv, n, m, d, dtype, mask, seed):
-    """k, v and the landmark stage's arrays: Q̃, dW0 (B, Hq, m, D), lse3 and rowdot (B, Hq, m) consistent with k and v
-    (lse3 the base-2 log-sum-exp of each landmark's scores over the real keys), d K̃ (B, Hkv, m, D), the buffer's
-    gradient rows (B, Hkv, slots, D)."""
+def stage_inputs(b, hq, hkv, n, m, d, dtype, mask, seed, land_scale=0.5, rank_one=0.0):
+    """k, v and the landmark stage's arrays: Q̃ (times land_scale), dW0 (B, Hq, m, D; dW0 plus a rank-one part rank_one
+    times larger),
+    lse3 and rowdot (B, Hq, m) consistent with k and v (lse3 the base-2 log-sum-exp of each landmark's scores over the
+    real keys), d K̃ (B, Hkv, m, D), the buffer's gradient rows (B, Hkv, slots, D)."""
     _, k, v = cpu_inputs(b, hkv, hkv, n, n, d, dtype=dtype, seed=seed)
     g = torch.Generator().manual_seed(seed)
     root = d ** -0.25
-    q_land = torch.randn(b, hq, m, d, generator=g) * 0.5
+    q_land = torch.randn(b, hq, m, d, generator=g) * land_scale
     dw0 = torch.randn(b, hq, m, d, generator=g)
+    dw0 += rank_one * torch.randn(b, hq, m, 1, generator=g) * torch.randn(b, hq, 1, d, generator=g)
     real = mask if mask is not None else torch.ones(b, n, dtype=torch.bool)
     kg = k.double().repeat_interleave(hq // hkv, 1)
     vg = v.double().repeat_interleave(hq // hkv, 1)
@@ -157,6 +159,19 @@ def test_dk_dv_kernel_against_the_oracle(paths_emulator, d, m, hq, hkv, dtype, k
     dk, dv = emulate(paths_emulator, k, v, root, t, mask, m, kv_chunk)
     want = oracle(k, v, root, t, mask, m, torch.float64)
     base = [x.to(dtype) for x in oracle(k, v, root, t, mask, m, torch.float32)]
+    for name, got, w, bl in zip(("dk", "dv"), (dk, dv), want, base):
+        assert_close_to_oracle(got, w, baseline=bl, factor=FACTOR, floor=FLOOR, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dk_dv_kernel_needs_every_halves_product(paths_emulator, dtype):
+    """Near-uniform K3 (tiny Q̃) and dW0 with a rank-one part 50x larger, where dv = K3ᵀ dW0 cancels: dropping either
+    residual product of dv fails this case (scripts/nystrom_tc_precision.py: 17-25x the bound)."""
+    b, hq, hkv, n, m, d = 1, 1, 1, 333, 16, 64
+    k, v, root, t = stage_inputs(b, hq, hkv, n, m, d, dtype, None, seed=7, land_scale=1e-3, rank_one=50.0)
+    dk, dv = emulate(paths_emulator, k, v, root, t, None, m, 128)
+    want = oracle(k, v, root, t, None, m, torch.float64)
+    base = [x.to(dtype) for x in oracle(k, v, root, t, None, m, torch.float32)]
     for name, got, w, bl in zip(("dk", "dv"), (dk, dv), want, base):
         assert_close_to_oracle(got, w, baseline=bl, factor=FACTOR, floor=FLOOR, name=name)
 
