@@ -603,14 +603,9 @@ __device__ __forceinline__ void store_key_rows(const BwdParams& bp, int b, int k
 // accumulators keep mma.sync's layout per warp, so everything between the products is shared.
 template <typename T, int D, bool RESIDENT, int LAND = KvSmem<D, RESIDENT>::kLand>
 __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2) nystrom_kv_tc_bwd_kernel(const BwdParams bp) {
-#if defined(HFAB_HAS_WGMMA)
-  constexpr bool kWg = true;
-#else
-  constexpr bool kWg = false;
-#endif
   using S = KvSmem<D, RESIDENT, LAND>;
   constexpr int kLand = S::kLand, kStages = S::kStages, STAGE = S::kStage;
-  constexpr int kRow = kWg ? D : S::kRow, kKeyTile = kK3Keys * kRow;  // elements per tile row (core: no padding)
+  constexpr int kRow = kWgmma ? D : S::kRow, kKeyTile = kK3Keys * kRow;  // elements per tile row (core: no padding)
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* const kv = reinterpret_cast<uint16_t*>(smem);  // stage s: k at 2 s kKeyTile, v at (2 s + 1) kKeyTile
   uint16_t* const lhi = kv + 2 * kStages * kKeyTile;
@@ -627,15 +622,15 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
   const auto load_keys = [&](int j0, int stage) {
     const auto ok = [=](int r) { return j0 + r < n; };
     uint16_t* kt = kv + 2 * stage * kKeyTile;
-    mma::load_rows_async<kK3Keys, D, kK3Threads, false, kWg>(
+    mma::load_rows_async<kK3Keys, D, kK3Threads, false, kWgmma>(
         kt, static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h, p.sk.n, j0, ok);
-    mma::load_rows_async<kK3Keys, D, kK3Threads, false, kWg>(
+    mma::load_rows_async<kK3Keys, D, kK3Threads, false, kWgmma>(
         kt + kKeyTile, static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h, p.sv.n, j0, ok);
   };
   if (landmark && first < last) load_keys(first, 0);  // in flight while the landmarks are staged
   if (landmark && RESIDENT) {
     for (int hi = 0; hi < p.groups; ++hi)
-      stage_landmarks<T, D, kWg>(bp, (long long)b * p.hq + kvh * p.groups + hi, 0, p.m, per_head, hi * per_head,
+      stage_landmarks<T, D, kWgmma>(bp, (long long)b * p.hq + kvh * p.groups + hi, 0, p.m, per_head, hi * per_head,
                                  halves, lse, rd);
   }
 
@@ -656,7 +651,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
       const auto wait_for_tile = [ahead] {  // this tile's k and v, not the next one's
         if (ahead) mma::cp_async_wait_prior<2>();
         else mma::cp_async_wait_all();
-        if constexpr (kWg) wgmma::fence_shared_for_async();  // this thread's copies and stores, for the products
+        if constexpr (kWgmma) wgmma::fence_shared_for_async();  // this thread's copies and stores, for the products
       };
       if (RESIDENT) {
         wait_for_tile();
@@ -677,7 +672,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
           const int count = min(p.m - l0, kLand);
           if (!RESIDENT) {
             __syncthreads();  // the previous tile's readers are done
-            stage_landmarks<T, D, kWg>(bp, bh, l0, count, kLand, 0, halves, lse, rd);
+            stage_landmarks<T, D, kWgmma>(bp, bh, l0, count, kLand, 0, halves, lse, rd);
             wait_for_tile();
             __syncthreads();
           }
@@ -685,7 +680,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
           const uint16_t* const tile[4] = {halves[0] + at * kRow, halves[1] + at * kRow, halves[2] + at * kRow,
                                            halves[3] + at * kRow};
           float s[kLand / 8][4], dp[kLand / 8][4];  // S3ᵀ = k Q̃ᵀ, dP3ᵀ = v dW0ᵀ (keys x landmarks)
-          if constexpr (kWg) {
+          if constexpr (kWgmma) {
             landmark_scores_wg<T, D, kLand>(s, dp, kt, vt, tile);
           } else {
             scores_against_halves<T, D>(s, dp, kt, vt, tile, count, warp, lane);
@@ -702,7 +697,7 @@ __global__ void __launch_bounds__(kK3Threads, D == 128 ? 1 : LAND == 32 ? 3 : 2)
             }
           scale_rows<kLand / 8, D>(s, dv, dv_exps);
           scale_rows<kLand / 8, D>(dp, dk, dk_exps);
-          if constexpr (kWg) {
+          if constexpr (kWgmma) {
             halves_product_wg<T, D, kLand / 8, true>(dv, s, tile[2], tile[3]);  // K3ᵀ dW0
             halves_product_wg<T, D, kLand / 8, true>(dk, dp, tile[0], tile[1]);  // dS3ᵀ Q̃
           } else {

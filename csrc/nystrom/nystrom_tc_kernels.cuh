@@ -24,6 +24,14 @@ namespace hfab {
 namespace nystrom {
 namespace tc {
 
+// Whether this compilation takes the wgmma products (an sm_90a target, or the emulator's HFAB_EMULATE_WGMMA); else
+// mma.sync. Kernels choose with `if constexpr`: no host dispatch.
+#if defined(HFAB_HAS_WGMMA)
+constexpr bool kWgmma = true;
+#else
+constexpr bool kWgmma = false;
+#endif
+
 constexpr int kWarps = 8, kThreads = 32 * kWarps, kBQ = 16 * kWarps;
 constexpr int kChunk = 32;  // buffer rows per online-softmax step (32: the scores take 16 registers, not 32)
 
@@ -327,20 +335,15 @@ __device__ __forceinline__ void halves_product_wg(float (&acc)[D / 8][4], const 
 template <typename T, int D, int STAGES, typename Epilogue>
 __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogue) {
   static_assert(STAGES == 1 || STAGES == 2, "one or two query tiles");
-#if defined(HFAB_HAS_WGMMA)
-  constexpr bool kWg = true;
-#else
-  constexpr bool kWg = false;
-#endif
   using S = OutSmem<D>;
-  constexpr int kRow = kWg ? D : S::kKey;  // elements per tile row (core matrices: no padding)
+  constexpr int kRow = kWgmma ? D : S::kKey;  // elements per tile row (core matrices: no padding)
   extern __shared__ __align__(16) unsigned char smem[];
   const int tiles = (p.n + kBQ - 1) / kBQ;
   int tile = blockIdx.x;
   if (tile >= tiles) return;
   const int h = blockIdx.y, b = blockIdx.z;
   const long long bh = (long long)b * p.hq + h;
-  const int nvalid = p.nvalid[b], rows = kWg ? S::core_rows(p.slots) : S::rows(p.slots);
+  const int nvalid = p.nvalid[b], rows = kWgmma ? S::core_rows(p.slots) : S::rows(p.slots);
   uint16_t* khi = reinterpret_cast<uint16_t*>(smem);
   uint16_t* klo = khi + rows * kRow;
   uint16_t* vhi = klo + rows * kRow;
@@ -351,11 +354,11 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
   const int n = p.n;
   const auto load = [&](int at, int buf) {  // the head's q formed per tile from the parameters: no register held
     const T* q = static_cast<const T*>(p.q) + blockIdx.z * p.sq.b + blockIdx.y * p.sq.h;
-    mma::load_rows_async<kBQ, D, kThreads, false, kWg>(qs + buf * kBQ * kRow, q, p.sq.n, at * kBQ,
+    mma::load_rows_async<kBQ, D, kThreads, false, kWgmma>(qs + buf * kBQ * kRow, q, p.sq.n, at * kBQ,
                                                         [=](int r) { return at * kBQ + r < n; });
   };
   if (STAGES == 2) load(tile, 0);
-  const int e = stage_buffer<T, D, kWg>(p.keys + bh * p.slots * D, p.vals + bh * p.slots * D, nvalid, rows, khi, klo,
+  const int e = stage_buffer<T, D, kWgmma>(p.keys + bh * p.slots * D, p.vals + bh * p.slots * D, nvalid, rows, khi, klo,
                                         vhi, vlo, red);
   if (threadIdx.x == 0) unscale_s = ldexpf(1.f, -e - kProbExp);  // read after the loop's first barrier
   const float scale_log2 = p.root * kLog2e;  // keys carry √scale, q not yet
@@ -367,7 +370,7 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
       load(tile, 0);
     }
     mma::cp_async_wait_all();
-    if constexpr (kWg) wgmma::fence_shared_for_async();  // this thread's copies and stores, for the products' reads
+    if constexpr (kWgmma) wgmma::fence_shared_for_async();  // this thread's copies and stores, for the products' reads
     __syncthreads();  // the tile (at the first, the buffer) is in; every warp is done with the other stage
     if (STAGES == 2 && tile + static_cast<int>(gridDim.x) < tiles) load(tile + gridDim.x, buf ^ 1);
     const uint16_t* qt = qs + buf * kBQ * kRow;
@@ -378,11 +381,11 @@ __device__ __forceinline__ void attend_tiles(const Params& p, Epilogue&& epilogu
     for (int dn = 0; dn < D / 8; ++dn) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
     for (int c0 = 0; c0 < nvalid; c0 += kChunk) {
       float s[kChunk / 8][4];
-      if constexpr (kWg) chunk_scores_wg<T, D>(s, qt + 64 * (warp / 4) * D, khi + c0 * D, klo + c0 * D);
+      if constexpr (kWgmma) chunk_scores_wg<T, D>(s, qt + 64 * (warp / 4) * D, khi + c0 * D, klo + c0 * D);
       else chunk_scores<T, D>(s, qt, arow, acol, khi, klo, c0, nvalid, lane);
       chunk_softmax<D>(s, m, l, o, c0, nvalid, scale_log2, lane);
       const uint16_t *vh = vhi + c0 * kRow, *vl = vlo + c0 * kRow;
-      if constexpr (kWg) halves_product_wg<__half, D, kChunk / 8, true>(o, s, vh, vl);  // rows padded with zeros
+      if constexpr (kWgmma) halves_product_wg<__half, D, kChunk / 8, true>(o, s, vh, vl);  // rows padded with zeros
       else halves_product<__half, D, kChunk / 8, true>(o, s, vh, vl, nvalid - c0, lane);
     }
     const float unscale = unscale_s;

@@ -58,10 +58,9 @@ def segment_counts(n_real, m):
 
 
 def stage_inputs(b, hq, hkv, n, m, d, dtype, mask, seed, land_scale=0.5, rank_one=0.0):
-    """k, v and the landmark stage's arrays: Q̃ (times land_scale), dW0 (B, Hq, m, D; dW0 plus a rank-one part rank_one
-    times larger),
-    lse3 and rowdot (B, Hq, m) consistent with k and v (lse3 the base-2 log-sum-exp of each landmark's scores over the
-    real keys), d K̃ (B, Hkv, m, D), the buffer's gradient rows (B, Hkv, slots, D)."""
+    """k, v and the landmark stage's arrays: Q̃ (times land_scale) and dW0 (plus a rank-one part rank_one times larger),
+    both (B, Hq, m, D), lse3 and rowdot (B, Hq, m) consistent with k and v (lse3 the base-2 log-sum-exp of each
+    landmark's scores over the real keys), d K̃ (B, Hkv, m, D), the buffer's gradient rows (B, Hkv, slots, D)."""
     _, k, v = cpu_inputs(b, hkv, hkv, n, n, d, dtype=dtype, seed=seed)
     g = torch.Generator().manual_seed(seed)
     root = d ** -0.25
@@ -137,6 +136,15 @@ def emulate(lib, k, v, root, t, mask, m, kv_chunk):
     return dk, dv
 
 
+def check_key_gradients(lib, k, v, root, t, mask, m, kv_chunk):
+    """The dk/dv kernel's dk and dv against the float64 oracle (the float32 one rounded to k's dtype as baseline)."""
+    dk, dv = emulate(lib, k, v, root, t, mask, m, kv_chunk)
+    want = oracle(k, v, root, t, mask, m, torch.float64)
+    base = [x.to(k.dtype) for x in oracle(k, v, root, t, mask, m, torch.float32)]
+    for name, got, w, bl in zip(("dk", "dv"), (dk, dv), want, base):
+        assert_close_to_oracle(got, w, baseline=bl, factor=FACTOR, floor=FLOOR, name=name)
+
+
 @pytest.mark.parametrize("d, m, hq, hkv, dtype, kv_chunk, padded", [
     (64, 16, 1, 1, torch.float16, 128, False),    # resident landmarks in 32-landmark passes, two k/v stages, splits
     (64, 32, 2, 1, torch.bfloat16, 128, True),    # the same for two q heads (64 rows), padding
@@ -156,11 +164,7 @@ def test_dk_dv_kernel_against_the_oracle(paths_emulator, d, m, hq, hkv, dtype, k
         mask = make_padding(b, n, min_real=n // 2, seed=d)
         mask[1] = torch.arange(n) < min(m, 20)  # few real tokens: the exact path where m allows it
     k, v, root, t = stage_inputs(b, hq, hkv, n, m, d, dtype, mask, seed=d + m)
-    dk, dv = emulate(paths_emulator, k, v, root, t, mask, m, kv_chunk)
-    want = oracle(k, v, root, t, mask, m, torch.float64)
-    base = [x.to(dtype) for x in oracle(k, v, root, t, mask, m, torch.float32)]
-    for name, got, w, bl in zip(("dk", "dv"), (dk, dv), want, base):
-        assert_close_to_oracle(got, w, baseline=bl, factor=FACTOR, floor=FLOOR, name=name)
+    check_key_gradients(paths_emulator, k, v, root, t, mask, m, kv_chunk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -169,11 +173,7 @@ def test_dk_dv_kernel_needs_every_halves_product(paths_emulator, dtype):
     residual product of dv fails this case (scripts/nystrom_tc_precision.py: 17-25x the bound)."""
     b, hq, hkv, n, m, d = 1, 1, 1, 333, 16, 64
     k, v, root, t = stage_inputs(b, hq, hkv, n, m, d, dtype, None, seed=7, land_scale=1e-3, rank_one=50.0)
-    dk, dv = emulate(paths_emulator, k, v, root, t, None, m, 128)
-    want = oracle(k, v, root, t, None, m, torch.float64)
-    base = [x.to(dtype) for x in oracle(k, v, root, t, None, m, torch.float32)]
-    for name, got, w, bl in zip(("dk", "dv"), (dk, dv), want, base):
-        assert_close_to_oracle(got, w, baseline=bl, factor=FACTOR, floor=FLOOR, name=name)
+    check_key_gradients(paths_emulator, k, v, root, t, None, m, 128)
 
 
 def buffer_inputs(b, hq, n, slots, nvalid, d, dtype, dout_scale, seed):
