@@ -84,9 +84,6 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
-// A hint that the 128-byte line holding global address p be fetched into L2 (no value, no fault, nothing to wait on):
-// a load of it issued later then waits on L2 rather than DRAM.
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 // Waits until at most N of this thread's committed groups, the latest ones, are still in flight.

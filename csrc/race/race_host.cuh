@@ -40,21 +40,6 @@ inline at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(3) == 
 
 inline int div_up(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
-// Chunks (query tiles) ahead whose rows the tensor-core kernels hint into L2 (Params::l2_ahead): 2, or
-// HFAB_RACE_L2_AHEAD (0 to 16; 0: no hints; read once per process, for comparison).
-inline int l2_ahead_chunks() {
-  static const int ahead = [] {
-    const char* env = std::getenv("HFAB_RACE_L2_AHEAD");
-    if (env == nullptr || *env == '\0') return 2;
-    char* end = nullptr;
-    const long n = std::strtol(env, &end, 10);
-    TORCH_CHECK(*end == '\0' && n >= 0 && n <= 16, "HFAB_RACE_L2_AHEAD=", env,
-                ": expected a number of chunks from 0 (no L2 hints) to 16, or unset (2)");
-    return static_cast<int>(n);
-  }();
-  return ahead;
-}
-
 inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const at::Tensor& planes, const at::Tensor& beta, const std::optional<at::Tensor>& kpm,
                       bool causal) {
@@ -120,7 +105,6 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   }
   p.nkc = div_up(int64_t{p.nk} - p.s0, kRows);
   p.nqt = div_up(p.nq, kRows);
-  p.l2_ahead = l2_ahead_chunks();
   return in;
 }
 

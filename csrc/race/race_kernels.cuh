@@ -71,7 +71,6 @@ struct Params {
   int ngk;     // tensor-core forward (race_tc_kernels.cuh): groups of gchunks key chunks
   int gchunks;  // key chunks per group of the group states: tc::forward_group_chunks (forward), tc::kGroup (backward)
   int ngq;     // groups of tc::kGroup query tiles (non-causal)
-  int l2_ahead;  // tensor-core kernels: rows of the chunk (query tile) this many ahead are hinted into L2; 0: none
   float* kstate;  // (B, Hq, nkc + 1, S, D) chunk states, then their exclusive prefix sums (slot nkc: total)
   float* kz;      // (B, Hq, nkc + 1, S)
   float* qstate;  // backward: (B, Hq, nqt + 1, S, D), then suffix sums (slot m + 1: tiles after m); tensor-core

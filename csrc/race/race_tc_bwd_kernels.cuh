@@ -31,20 +31,6 @@ namespace hfab {
 namespace race {
 namespace tc {
 
-// warp_rows_to_l2 of query tile m's q and dO rows.
-template <typename T, int D>
-__device__ __forceinline__ void query_rows_to_l2(const Params& p, const Heads<T>& hd, const T* dout, int m) {
-  warp_rows_to_l2<T, D>(hd.q, p.sq.n, m * kC, p.nq);
-  warp_rows_to_l2<T, D>(dout, p.sdo.n, m * kC, p.nq);
-}
-
-// The same for key chunk kappa's k and v rows and, causal, those of the query tile whose diagonal it holds.
-template <typename T, int D>
-__device__ __forceinline__ void chunk_rows_to_l2(const Params& p, const Heads<T>& hd, const T* dout, int kappa) {
-  warp_kv_rows_to_l2<T, D>(p, hd, p.s0 + kappa * kC);
-  if (p.causal && kappa >= p.kappa0) query_rows_to_l2<T, D>(p, hd, dout, kappa - p.kappa0);
-}
-
 // The dq kernel's shared memory: the forward's Tiles, then dO, u, the w table and per-row values; the g
 // tile (fp32 [64][65]) reuses phq + phk, the w table reuses the x tile where it fits (D >= 64).
 template <typename T, int D>
@@ -437,7 +423,6 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dq_bwd_kernel(const Pa
   float* phi32 = PHI_TILE ? bt.g : nullptr;  // fp32 phi(q) of the tile instead of the (here unused) fp16 phq
   if (!p.causal) {
     for (int m = first; m < end; ++m) {
-      if (p.l2_ahead > 0 && m + p.l2_ahead < end) query_rows_to_l2<T, D>(p, hd, dout, m + p.l2_ahead);
       query_tile<T, D>(p, hd, m, s, dout, bt.dO, bt.u, phi32);
       tile_dq<T, D, PHI_TILE>(p, hd, m, false, s, bt);
     }
@@ -445,7 +430,6 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dq_bwd_kernel(const Pa
   }
   for (int kappa = first; kappa < end; ++kappa) {
     const int m = kappa - p.kappa0;  // the query tile whose diagonal is in this chunk
-    if (p.l2_ahead > 0 && kappa + p.l2_ahead < end) chunk_rows_to_l2<T, D>(p, hd, dout, kappa + p.l2_ahead);
     key_chunk<T, D>(p, hd, b, kappa, s, !PHI_TILE && m >= 0);  // phk is not read here: PHI_TILE skips it
     if (m >= 0) {
       query_tile<T, D>(p, hd, m, s, dout, bt.dO, bt.u, phi32);  // after key_chunk: sp, sm keep q's tables
@@ -709,7 +693,6 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_qstate_bwd_kernel(cons
   for (int it = first; it < end; ++it) {
     const int m = p.causal ? it - p.kappa0 : it;
     if (m < 0) continue;
-    if (p.l2_ahead > 0 && it + p.l2_ahead < end) query_rows_to_l2<T, D>(p, hd, dout, m + p.l2_ahead);
     key_side_query_tile<T, D>(p, hd, dout, m, false, s, kt, PHI_TILE ? kt.g : nullptr);  // phq is not read here
     query_state_delta<T, D, PHI_TILE>(p, s, kt, acc);
   }
@@ -750,7 +733,6 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dkv_bwd_kernel(const P
     load_state<T, D>(p, p.qstate + slot * p.features * D, p.qz + slot * p.features, s);
     for (int kappa = end - 1; kappa >= first; --kappa) {
       const int m = p.causal ? kappa - p.kappa0 : -1;  // the query tile whose diagonal is in this chunk
-      if (p.l2_ahead > 0 && kappa - p.l2_ahead >= first) chunk_rows_to_l2<T, D>(p, hd, dout, kappa - p.l2_ahead);
       if (m >= 0) key_side_query_tile<T, D>(p, hd, dout, m, true, s, kt);
       key_side_chunk<T, D>(p, hd, b, kappa, m >= 0, s, kt);
       chunk_dkv<T, D, PHI_TILE>(p, hd, kappa, gh, m >= 0, s, kt);

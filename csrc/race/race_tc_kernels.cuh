@@ -580,26 +580,6 @@ __device__ __forceinline__ void warp_key_rows_async(const T* x, long long stride
                                         [flags](int r) { return ((flags >> r) & 1u) != 0; });
 }
 
-// Hints into L2 every 128-byte line of the warp's 16 rows of the 64-row tile from row0 (rows in [0, n) only; rows
-// `stride` elements apart), so that the cp.async that loads them a chunk later waits on L2 rather than DRAM.
-template <typename T, int D>
-__device__ __forceinline__ void warp_rows_to_l2(const T* x, long long stride, int row0, int n) {
-  constexpr int kPerLine = 128 / sizeof(T), kLines = D > kPerLine ? D / kPerLine : 1;  // lines per row
-  const int lane = threadIdx.x % 32, r0 = row0 + (threadIdx.x / 32) * 16;
-#pragma unroll
-  for (int c = lane; c < 16 * kLines; c += 32) {
-    const int r = r0 + c / kLines;
-    if (r >= 0 && r < n) mma::prefetch_l2(x + r * stride + (c % kLines) * kPerLine);
-  }
-}
-
-// warp_rows_to_l2 of the k and v rows of the key chunk from key0.
-template <typename T, int D>
-__device__ __forceinline__ void warp_kv_rows_to_l2(const Params& p, const Heads<T>& hd, int key0) {
-  warp_rows_to_l2<T, D>(hd.k, p.sk.n, key0, p.nk);
-  warp_rows_to_l2<T, D>(hd.v, p.sv.n, key0, p.nk);
-}
-
 // acc[n] (N0 <= n < N1: by default the v columns n < D / 8, not z's) *= 2^d, in steps that stay normal fp32 factors
 // (the exponents of two v tiles can be ~240 apart).
 template <int D, int N0 = 0, int N1 = D / 8>
@@ -772,7 +752,6 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (HALF ? 4 : 3) : 2) race_g
     const int buf = (kappa - first) & 1;
     T* xv = s.xv + buf * kC * (D + 8);
     T* xv_next = s.xv + (buf ^ 1) * kC * (D + 8);
-    if (p.l2_ahead > 0 && kappa + p.l2_ahead < end) warp_kv_rows_to_l2<T, D>(p, hd, key0(kappa + p.l2_ahead));
     const bool next_flag = lane_key_ok(p, b, key0(kappa + 1) + r0);  // false past the keys
     unsigned next_flags = 0;
     mma::cp_async_wait_prior<1>();  // the warp's k rows of this chunk (its v rows may still be on their way)
@@ -1142,7 +1121,6 @@ __global__ void __launch_bounds__(kThreads, 1) race_query_out_fwd_kernel(const P
   init_constants<T, D>(p, s);
   stage_state_fp16<T, D>(p, hd.bh, s);
   for (int m = first; m < end; ++m) {
-    if (p.l2_ahead > 0 && m + p.l2_ahead < end) warp_rows_to_l2<T, D>(hd.q, p.sq.n, (m + p.l2_ahead) * kC, p.nq);
     mma::cp_async_wait_all();
     __syncwarp();
     const auto next_queries = [&] {  // once the warp's x rows are read
@@ -1401,10 +1379,6 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) race_causal_out_fwd
     T* xv_next = s.xv + (buf ^ 1) * kC * (D + 8);
     int* ve = s.ve + buf * kThreads / 32;
     int* se = s.se + buf * 2 * kThreads / 32;
-    if (const int ahead = kappa + p.l2_ahead; p.l2_ahead > 0 && ahead < end) {
-      warp_kv_rows_to_l2<T, D>(p, hd, key0(ahead));
-      if (ahead >= p.kappa0) warp_rows_to_l2<T, D>(hd.q, p.sq.n, (ahead - p.kappa0) * kC, p.nq);
-    }
     const bool next_flag = lane_key_ok(p, b, key0(kappa + 1) + r0);  // false past the keys
     unsigned next_flags = 0;
     const auto store_to = [](__half* phi) {

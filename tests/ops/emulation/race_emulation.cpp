@@ -57,7 +57,6 @@ Params params(int d, int hq, int hkv, int nq, int nk, int causal, int planes_per
   }
   p.nkc = div_up(static_cast<long long>(nk) - p.s0, kRows);
   p.nqt = div_up(nq, kRows);
-  p.l2_ahead = 2;
   return p;
 }
 

@@ -112,7 +112,6 @@ inline void cp_async16(void* dst, const void* src, bool valid) {
   if (valid) std::memcpy(dst, src, 16);
   else std::memset(dst, 0, 16);
 }
-inline void prefetch_l2(const void*) {}
 inline void cp_async_commit() {}
 inline void cp_async_wait_all() {}
 template <int N> inline void cp_async_wait_prior() {}
