@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import hf_attention_backends  # noqa: F401  (imported at collection, not inside the first test's timing)
-from benchmarks import ptxas_report, registry, report, run, sass_report, stieltjes_solver, timing
+from benchmarks import (ptxas_report, registry, report, run, sass_report, stieltjes_fused_start, stieltjes_solver,
+                        timing)
 from benchmarks.registry import Case, Provider
+from hf_attention_backends.ops.stieltjes.reference import solve_lambda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -548,6 +550,28 @@ def test_stieltjes_solver_study_prints_a_row_per_case(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[1].split() == ["order", "scale", "newton0", "newton1", "halley0", "halley1"]
     assert len(out) == 2 + 4 * 7 and all(len(line.split()) == 6 for line in out[2:])
+
+
+def test_stieltjes_fused_start_study_takes_the_libraries_step():
+    """The study's last step is solve_lambda's: one clamped Halley step from the Jensen start gives the library's
+    one-step lambda."""
+    x, _ = stieltjes_solver.score_rows(2.0, 333, 4, 32, seed=2)
+    allowed = torch.ones_like(x, dtype=torch.bool)
+    ours = stieltjes_fused_start.reference_step(x, stieltjes_fused_start.jensen_start(x, 4.0), 4.0)
+    assert torch.allclose(ours, solve_lambda(x, allowed, 4.0, 1), rtol=1e-12, atol=0)
+
+
+def test_stieltjes_fused_start_laplace_start_is_nearer_the_root_on_heavy_tails():
+    """The study's lead: on heavy-tailed rows (scale 2, N 2049) the start from two exp sums lies nearer the root
+    than the Jensen start, and one step from it is within 1e-3 of the exact output where one from Jensen is not."""
+    x, v = stieltjes_solver.score_rows(2.0, 2049, 8, 64, seed=0)
+    root = stieltjes_solver.root_by_bisection(x, 4.0)
+    jensen = stieltjes_fused_start.jensen_start(x, 4.0)
+    laplace = torch.maximum(jensen, stieltjes_fused_start.laplace_start(x, 4.0))
+    assert (laplace - root).abs().max() < (jensen - root).abs().max()
+    errors = [stieltjes_solver.output_error(x, v, 4.0, stieltjes_fused_start.reference_step(x, lam, 4.0), root)
+              for lam in (jensen, laplace)]
+    assert errors[1] < 1e-3 < errors[0]
 
 
 def test_stieltjes_solver_steps_needed_grows_as_the_order_falls():
