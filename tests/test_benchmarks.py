@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import hf_attention_backends  # noqa: F401  (imported at collection, not inside the first test's timing)
-from benchmarks import (ptxas_report, registry, report, run, sass_report, stieltjes_fused_start, stieltjes_solver,
-                        timing)
+from benchmarks import (ptxas_report, registry, report, run, sass_report, stieltjes_fused_start, stieltjes_real_rows,
+                        stieltjes_solver, timing)
 from benchmarks.registry import Case, Provider
 from hf_attention_backends.ops.stieltjes.reference import solve_lambda
 
@@ -572,6 +572,17 @@ def test_stieltjes_fused_start_laplace_start_is_nearer_the_root_on_heavy_tails()
     errors = [stieltjes_solver.output_error(x, v, 4.0, stieltjes_fused_start.reference_step(x, lam, 4.0), root)
               for lam in (jensen, laplace)]
     assert errors[1] < 1e-3 < errors[0]
+
+
+def test_stieltjes_real_rows_study_on_smollm2(capsys):
+    """The real-rows study on one short article: its q, k, v hooks reproduce the layer's output (checked inside), and
+    on 128-token rows today's two Halley steps are far inside 1e-3 while one step is not."""
+    stieltjes_real_rows.main(["--tokens", "128", "--articles", "1", "--layers", "0", "--stride", "32", "--orders", "4"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| all |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")][1:]
+    ref2, ref1 = (float(cell.split()[0]) for cell in cells[:2])
+    assert len(cells) == len(stieltjes_real_rows.SCHEME_NAMES) and ref2 < 1e-5 and ref1 > 1e-3
 
 
 def test_stieltjes_solver_steps_needed_grows_as_the_order_falls():

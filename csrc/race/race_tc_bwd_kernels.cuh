@@ -538,9 +538,11 @@ __device__ __forceinline__ void query_state_delta(const Params& p, const Tiles<T
 template <typename T, int D>
 __device__ void key_side_query_tile(const Params& p, const Heads<T>& hd, const T* dout, int m, bool intra,
                                     Tiles<T, D>& s, DkvTiles<T, D>& kt, float* phi32 = nullptr) {
+  VtInFlight<T, D> grads;  // dO's loads in flight while query_tile loads and maps q
+  grads.fetch(dout, p.sdo.n, m * kC, [&](int j) { return m * kC + j < p.nq; });
   query_tile<T, D>(p, hd, m, s, nullptr, nullptr, nullptr, phi32);
   query_rows<T, D>(p, hd.bh, m, kt);
-  load_vt<T, D>(dout, p.sdo.n, m * kC, s.okq, s.vt);
+  grads.store(s.vt);
   if (intra) features<T>(p, s.okq, s.sp, s.sm, nullptr, s.pkt);
   __syncthreads();
 }
@@ -551,14 +553,18 @@ template <typename T, int D>
 __device__ void key_side_chunk(const Params& p, const Heads<T>& hd, int b, int kappa, bool intra, Tiles<T, D>& s,
                                DkvTiles<T, D>& kt) {
   const int key0 = p.s0 + kappa * kC;
+  const auto ok = [&](int r) { return key_ok(p, b, key0 + r); };
+  mma::RowsInFlight<kC, D, kThreads> keys, values;  // both copies' loads in flight together (D <= 64: 32 registers)
+  keys.fetch(hd.k, p.sk.n, key0, ok);
+  if constexpr (D <= 64) values.fetch(hd.v, p.sv.n, key0, ok);
   __syncthreads();
-  if (threadIdx.x < kC) s.okk[threadIdx.x] = key_ok(p, b, key0 + threadIdx.x);
-  __syncthreads();
-  load_rows<T, D>(hd.k, p.sk.n, key0, s.okk, s.x);
+  if (threadIdx.x < kC) s.okk[threadIdx.x] = ok(threadIdx.x);
+  keys.store(s.x);
   __syncthreads();
   project<T, D>(p, s.x, s.w, hd.beta, kt.spk, kt.smk, kt.u);
+  if constexpr (D > 64) values.fetch(hd.v, p.sv.n, key0, ok);
   __syncthreads();
-  load_rows<T, D>(hd.v, p.sv.n, key0, s.okk, s.x);
+  values.store(s.x);
   if (intra) features<T>(p, s.okk, kt.spk, kt.smk, s.phk, nullptr);
   __syncthreads();
 }
