@@ -546,11 +546,20 @@ __device__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa,
   __syncthreads();  // the previous chunk's readers are done
   if (threadIdx.x < kC) s.okk[threadIdx.x] = key_ok(p, b, key0 + threadIdx.x);
   __syncthreads();
-  if (s.prefetch)
+  if (s.prefetch) {
     mma::cp_async_wait_all();  // this thread's copies; the barrier below publishes every thread's
-  else
+    if (s.xv == nullptr) load_vt<T, D>(hd.v, p.sv.n, key0, s.okk, s.vt);
+  } else if (s.xv == nullptr) {  // k's and v's loads in flight together
+    const auto ok = [&](int r) { return s.okk[r] != 0; };
+    mma::RowsInFlight<kC, D, kThreads> keys;
+    VtInFlight<T, D> values;
+    keys.fetch(hd.k, p.sk.n, key0, ok);
+    values.fetch(hd.v, p.sv.n, key0, ok);
+    keys.store(s.x);
+    values.store(s.vt);
+  } else {
     load_rows<T, D>(hd.k, p.sk.n, key0, s.okk, s.x);
-  if (s.xv == nullptr) load_vt<T, D>(hd.v, p.sv.n, key0, s.okk, s.vt);
+  }
   __syncthreads();
   if (s.xv != nullptr) load_vt<T, D>(s.xv, D + 8, 0, s.okk, s.vt);  // the staged rows, transposed
   project<T, D>(p, s.xk, s.w, hd.beta, s.sp, s.sm);
@@ -964,11 +973,19 @@ __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, 
   __syncthreads();
   if (threadIdx.x < kC) s.okq[threadIdx.x] = m * kC + threadIdx.x < p.nq;
   __syncthreads();
-  if (s.prefetch)
+  if (s.prefetch) {
     mma::cp_async_wait_all();  // this thread's copies; the barrier below publishes every thread's
-  else
+    if (dout != nullptr) load_rows<T, D>(dout, p.sdo.n, m * kC, s.okq, dtile);
+  } else if (dout != nullptr) {  // both copies' loads in flight together
+    const auto ok = [&](int r) { return s.okq[r] != 0; };
+    mma::RowsInFlight<kC, D, kThreads> queries, grads;
+    queries.fetch(hd.q, p.sq.n, m * kC, ok);
+    grads.fetch(dout, p.sdo.n, m * kC, ok);
+    queries.store(s.x);
+    grads.store(dtile);
+  } else {
     load_rows<T, D>(hd.q, p.sq.n, m * kC, s.okq, s.x);
-  if (dout != nullptr) load_rows<T, D>(dout, p.sdo.n, m * kC, s.okq, dtile);
+  }
   __syncthreads();
   project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm, u);
   __syncthreads();
