@@ -183,6 +183,23 @@ template <int ROWS, int D, int THREADS, bool PER_WARP = false, bool CORE = false
   }
 };
 
+// This thread's chunks i0 .. i0 + N - 1 of a RowChunks copy (C) into val (zero where ok(row) is false), src advanced
+// past them; then their stores.
+template <typename C, int N, typename T, typename Ok>
+__device__ __forceinline__ void fetch_chunks(uint4 (&val)[N], const T*& src, long long stride, int i0, Ok ok) {
+  const int r = C::row();
+#pragma unroll
+  for (int i = 0; i < N; ++i, src += C::kPass * stride) {
+    val[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (ok(r + C::kPass * (i0 + i))) val[i] = __ldg(reinterpret_cast<const uint4*>(src));
+  }
+}
+template <typename C, int N>
+__device__ __forceinline__ void store_chunks(const uint4 (&val)[N], void* tile, int i0) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) *C::dst(tile, i0 + i) = val[i];
+}
+
 // Rows [row0, row0 + ROWS) of x (global memory, read-only while the kernel runs; D 16-bit elements per row, `stride`
 // elements apart, 16-byte aligned) into a shared tile with rows D + 8 elements apart, by a block of THREADS threads;
 // rows r with ok(r) false are 0. Each thread issues up to four loads before storing them (a store right after its
@@ -190,20 +207,27 @@ template <int ROWS, int D, int THREADS, bool PER_WARP = false, bool CORE = false
 template <int ROWS, int D, int THREADS, typename T, typename Ok>
 __device__ __forceinline__ void load_rows(void* tile, const T* x, long long stride, int row0, Ok ok) {
   using C = RowChunks<ROWS, D, THREADS>;
-  const int r = C::row();
   const T* src = C::src(x, stride, row0);
 #pragma unroll
   for (int i0 = 0; i0 < C::kIters; i0 += C::kBatch) {
     uint4 val[C::kBatch];
-#pragma unroll
-    for (int i = 0; i < C::kBatch; ++i, src += C::kPass * stride) {
-      val[i] = make_uint4(0u, 0u, 0u, 0u);
-      if (ok(r + C::kPass * (i0 + i))) val[i] = __ldg(reinterpret_cast<const uint4*>(src));
-    }
-#pragma unroll
-    for (int i = 0; i < C::kBatch; ++i) *C::dst(tile, i0 + i) = val[i];
+    fetch_chunks<C>(val, src, stride, i0, ok);
+    store_chunks<C>(val, tile, i0);
   }
 }
+
+// A whole load_rows copy held in this thread's registers between its loads (fetch) and its stores (store), so that
+// other work, e.g. another copy's loads, overlaps the loads' latency: kIters 16-byte words per thread.
+template <int ROWS, int D, int THREADS> struct RowsInFlight {
+  using C = RowChunks<ROWS, D, THREADS>;
+  uint4 val[C::kIters];
+  template <typename T, typename Ok>
+  __device__ __forceinline__ void fetch(const T* x, long long stride, int row0, Ok ok) {
+    const T* src = C::src(x, stride, row0);
+    fetch_chunks<C>(val, src, stride, 0, ok);
+  }
+  __device__ __forceinline__ void store(void* tile) const { store_chunks<C>(val, tile, 0); }
+};
 
 // The same by cp.async (no registers), as one committed group: completes at cp_async_wait_all. PER_WARP: THREADS = 32
 // lanes of one warp copy the tile (a warp's own rows). CORE: the tile in core matrices (core_at).

@@ -31,13 +31,17 @@ namespace hfab {
 namespace race {
 namespace tc {
 
+// Row stride (floats) of the g tile, and of warp_chain_factors' da in the same storage: each warp's da rows lie
+// within its own g rows, so a warp writes them while another still reads its g rows.
+constexpr int kGRow = kS + 1;
+
 // The dq kernel's shared memory: the forward's Tiles, then dO, u, the w table and per-row values; the g
 // tile (fp32 [64][65]) reuses phq + phk, the w table reuses the x tile where it fits (D >= 64).
 template <typename T, int D>
 struct BwdTiles {
   using Fwd = Tiles<T, D>;
   static constexpr int kX = D + 8;
-  static constexpr int kG = kS + 1;  // row stride (floats) of the g tile
+  static constexpr int kG = kGRow;
   static constexpr int table_bytes = kC * kLPMax * 4;
   static constexpr bool w_in_x = Fwd::x_bytes >= table_bytes;
   static constexpr int do_off = Fwd::bytes;                  // T dO [64][D + 8]
@@ -207,53 +211,58 @@ __device__ __forceinline__ void split_product(const float (&x)[kC / 8][4], const
     for (int e = 0; e < 4; ++e) acc[n][e] *= unscale[e / 2];
 }
 
-// The warp's rows of a tile (rows warp + 4 rr, rr < kWarpRows).
+// The warp's rows of a tile (rows 16 warp + rr, rr < kWarpRows): the rows of its mma fragments, so that each warp
+// takes its own rows from dphi to dq (dk) with no block barrier between (warp_table_w, warp_chain_factors, chain_rows).
 constexpr int kWarpRows = kC / (kThreads / 32);
 
 // The per-(row, table, plane) factors of chain_row (race_kernels.cuh), once per row instead of once per lane of
-// the row's warp: da[r][lt] = 2 beta w (1 - u^2) ([64][kLPMax] floats) and the row's dbeta term 2 sum_lt u w (lt in
-// order) into rowpart[r] (0 where ok[r] is 0). u, w: [64][L*P]. Ends with a barrier.
-__device__ __forceinline__ void chain_factors(const Params& p, float beta, const float* u, const float* w,
-                                              const int* ok, float* da, float* rowpart) {
-  for (int e = threadIdx.x; e < kC * kLPMax; e += kThreads) {
-    const int r = e / kLPMax, lt = e % kLPMax;
+// the row's warp, for the warp's rows: da[r][lt] = 2 beta w (1 - u^2) (rows kGRow floats apart) and the row's dbeta
+// term 2 sum_lt u w (lt in order) into rowpart[r] (0 where ok[r] is 0). u, w: [64][L*P]. Ends with __syncwarp.
+__device__ __forceinline__ void warp_chain_factors(const Params& p, float beta, const float* u, const float* w,
+                                                   const int* ok, float* da, float* rowpart) {
+  const int lane = threadIdx.x % 32, r0 = (threadIdx.x / 32) * kWarpRows;
+  for (int e = lane; e < kWarpRows * kLPMax; e += 32) {
+    const int r = r0 + e / kLPMax, lt = e % kLPMax;
     if (lt >= p.lp) continue;
     const float ut = u[r * p.lp + lt], wt = w[r * p.lp + lt];
-    da[e] = 2.f * beta * wt * (1.f - ut * ut);
+    da[r * kGRow + lt] = 2.f * beta * wt * (1.f - ut * ut);
   }
-  for (int r = threadIdx.x; r < kC; r += kThreads) {
+  if (lane < kWarpRows) {
+    const int r = r0 + lane;
     float db = 0.f;
     for (int lt = 0; lt < p.lp; ++lt) db = fmaf(2.f * u[r * p.lp + lt], w[r * p.lp + lt], db);
     rowpart[r] = ok[r] ? db : 0.f;
   }
-  __syncthreads();
+  __syncwarp();
 }
 
-// chain_row's dx for the warp's rows (warp + 4 rr) from chain_factors' da, each plane row loaded once per (table,
-// plane) for all of them. Per row the same products in the same order as chain_row, so the same bits.
+// chain_row's dx for the warp's rows (16 warp + rr) from warp_chain_factors' da, each plane row loaded once per
+// (table, plane) for all of them. Per row the same products in the same order as chain_row, so the same bits.
 template <int D>
 __device__ __forceinline__ void chain_rows(const Params& p, const float* da, float (&dx)[kWarpRows][D / 32]) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32, r0 = (threadIdx.x / 32) * kWarpRows;
   for (int lt = 0; lt < p.lp; ++lt) {
     float plane[D / 32];
 #pragma unroll
     for (int c = 0; c < D / 32; ++c) plane[c] = __ldg(p.planes + lt * D + lane + 32 * c);
-    const float* col = da + warp * kLPMax + lt;  // the warp's rows are kThreads / 32 apart
+    const float* col = da + r0 * kGRow + lt;
 #pragma unroll
     for (int rr = 0; rr < kWarpRows; ++rr)
 #pragma unroll
-      for (int c = 0; c < D / 32; ++c) dx[rr][c] = fmaf(col[rr * (kThreads / 32) * kLPMax], plane[c], dx[rr][c]);
+      for (int c = 0; c < D / 32; ++c) dx[rr][c] = fmaf(col[rr * kGRow], plane[c], dx[rr][c]);
   }
 }
 
-// table_w for P planes per table: one pass over each (row, table)'s 2^P values of g sums them for all P planes at
-// once (per plane in bucket order, so the same bits as one pass per plane).
+// table_w for P planes per table and the warp's rows: one pass over each (row, table)'s 2^P values of g sums them
+// for all P planes at once (per plane in bucket order, so the same bits as one pass per plane).
 template <int P>
-__device__ __forceinline__ void table_w_p(const Params& p, const float* g, const float* sp, const float* sm, float* w) {
+__device__ __forceinline__ void warp_table_w_p(const Params& p, const float* g, const float* sp, const float* sm,
+                                               float* w) {
   constexpr int R = 1 << P;
-  for (int e = threadIdx.x; e < kC * (p.lp / P); e += kThreads) {
-    const int r = e % kC, l = e / kC;  // a warp reads 32 rows: g's odd row stride spreads them over the banks
-    const float* row = g + r * (kS + 1) + l * R;
+  const int lane = threadIdx.x % 32, r0 = (threadIdx.x / 32) * kWarpRows;
+  for (int e = lane; e < kWarpRows * (p.lp / P); e += 32) {
+    const int r = r0 + e % kWarpRows, l = e / kWarpRows;  // 16 rows x 2 tables: g's odd row stride, all 32 banks
+    const float* row = g + r * kGRow + l * R;
     float set[P] = {}, clear[P] = {};
 #pragma unroll
     for (int bucket = 0; bucket < R; ++bucket) {
@@ -272,11 +281,14 @@ __device__ __forceinline__ void table_w_p(const Params& p, const float* g, const
       w[r * p.lp + lt] = sm[r * kLPMax + lt] * set[t] - sp[r * kLPMax + lt] * clear[t];
     }
   }
+  __syncwarp();
 }
 
-// w[r][lt] = sigma- sum_{bit set} g - sigma+ sum_{bit clear} g per (row, table, plane); g: fp32 [64][kS + 1].
-__device__ __forceinline__ void table_w(const Params& p, const float* g, const float* sp, const float* sm, float* w) {
-  dispatch_planes(p, [&](auto planes) { table_w_p<decltype(planes)::value>(p, g, sp, sm, w); });
+// w[r][lt] = sigma- sum_{bit set} g - sigma+ sum_{bit clear} g per (row, table, plane) for the warp's rows; g: fp32
+// [64][kGRow]. Ends with __syncwarp.
+__device__ __forceinline__ void warp_table_w(const Params& p, const float* g, const float* sp, const float* sm,
+                                             float* w) {
+  dispatch_planes(p, [&](auto planes) { warp_table_w_p<decltype(planes)::value>(p, g, sp, sm, w); });
 }
 
 // [num, den] of one query tile as tile_num computes them, with fp32-accurate products: phi(q) in fp32 from the
@@ -383,16 +395,15 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
       }
       bt.g[r * kG + f] = val;
     }
-  __syncthreads();
-  table_w(p, bt.g, s.sp, s.sm, bt.w);
-  __syncthreads();
-  chain_factors(p, hd.beta, bt.u, bt.w, s.okq, bt.g, bt.rowpart);  // da into the g tile's storage (read above)
+  __syncwarp();  // from here on each warp reads and writes only its own rows
+  warp_table_w(p, bt.g, s.sp, s.sm, bt.w);
+  warp_chain_factors(p, hd.beta, bt.u, bt.w, s.okq, bt.g, bt.rowpart);  // da into the warp's g rows (read above)
   T* dq = static_cast<T*>(p.out) + hd.bh * p.nq * D;
   float dx[kWarpRows][D / 32] = {};
   chain_rows<D>(p, bt.g, dx);
 #pragma unroll
   for (int rr = 0; rr < kWarpRows; ++rr) {
-    const int i = m * kC + warp + rr * (kThreads / 32);
+    const int i = m * kC + r0 + rr;
     if (i < p.nq) {
 #pragma unroll
       for (int c = 0; c < D / 32; ++c) dq[(long long)i * D + lane + 32 * c] = from_float<T>(dx[rr][c]);
@@ -455,7 +466,7 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dq_bwd_kernel(const Pa
 template <typename T, int D>
 struct DkvTiles {
   using Fwd = Tiles<T, D>;
-  static constexpr int kG = kS + 1;  // row stride (floats) of the g tile
+  static constexpr int kG = kGRow;
   static constexpr int table_bytes = kC * kLPMax * 4;
   static constexpr bool w_in_x = Fwd::x_bytes >= table_bytes;
   static constexpr int u_off = Fwd::bytes;                   // fp32 u [64][L * P] of the keys
@@ -527,9 +538,11 @@ __device__ __forceinline__ void query_state_delta(const Params& p, const Tiles<T
 template <typename T, int D>
 __device__ void key_side_query_tile(const Params& p, const Heads<T>& hd, const T* dout, int m, bool intra,
                                     Tiles<T, D>& s, DkvTiles<T, D>& kt, float* phi32 = nullptr) {
+  VtInFlight<T, D> grads;  // dO's loads in flight while query_tile loads and maps q
+  grads.fetch(dout, p.sdo.n, m * kC, [&](int j) { return m * kC + j < p.nq; });
   query_tile<T, D>(p, hd, m, s, nullptr, nullptr, nullptr, phi32);
   query_rows<T, D>(p, hd.bh, m, kt);
-  load_vt<T, D>(dout, p.sdo.n, m * kC, s.okq, s.vt);
+  grads.store(s.vt);
   if (intra) features<T>(p, s.okq, s.sp, s.sm, nullptr, s.pkt);
   __syncthreads();
 }
@@ -540,14 +553,18 @@ template <typename T, int D>
 __device__ void key_side_chunk(const Params& p, const Heads<T>& hd, int b, int kappa, bool intra, Tiles<T, D>& s,
                                DkvTiles<T, D>& kt) {
   const int key0 = p.s0 + kappa * kC;
+  const auto ok = [&](int r) { return key_ok(p, b, key0 + r); };
+  mma::RowsInFlight<kC, D, kThreads> keys, values;  // both copies' loads in flight together (D <= 64: 32 registers)
+  keys.fetch(hd.k, p.sk.n, key0, ok);
+  if constexpr (D <= 64) values.fetch(hd.v, p.sv.n, key0, ok);
   __syncthreads();
-  if (threadIdx.x < kC) s.okk[threadIdx.x] = key_ok(p, b, key0 + threadIdx.x);
-  __syncthreads();
-  load_rows<T, D>(hd.k, p.sk.n, key0, s.okk, s.x);
+  if (threadIdx.x < kC) s.okk[threadIdx.x] = ok(threadIdx.x);
+  keys.store(s.x);
   __syncthreads();
   project<T, D>(p, s.x, s.w, hd.beta, kt.spk, kt.smk, kt.u);
+  if constexpr (D > 64) values.fetch(hd.v, p.sv.n, key0, ok);
   __syncthreads();
-  load_rows<T, D>(hd.v, p.sv.n, key0, s.okk, s.x);
+  values.store(s.x);
   if (intra) features<T>(p, s.okk, kt.spk, kt.smk, s.phk, nullptr);
   __syncthreads();
 }
@@ -654,16 +671,15 @@ __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_
       }
       kt.g[j * kG + f] = val;
     }
-  __syncthreads();
-  table_w(p, kt.g, kt.spk, kt.smk, kt.w);
-  __syncthreads();
-  chain_factors(p, hd.beta, kt.u, kt.w, s.okk, kt.g, kt.rowpart);  // da into the g tile's storage (read above)
+  __syncwarp();  // from here on each warp reads and writes only its own rows
+  warp_table_w(p, kt.g, kt.spk, kt.smk, kt.w);
+  warp_chain_factors(p, hd.beta, kt.u, kt.w, s.okk, kt.g, kt.rowpart);  // da into the warp's g rows (read above)
   T* dk = static_cast<T*>(p.dk);
   float dx[kWarpRows][D / 32] = {};
   chain_rows<D>(p, kt.g, dx);
 #pragma unroll
   for (int rr = 0; rr < kWarpRows; ++rr) {
-    const int j = key0 + warp + rr * (kThreads / 32);
+    const int j = key0 + r0 + rr;
     if (j >= 0 && j < p.nk) {
 #pragma unroll
       for (int c = 0; c < D / 32; ++c)
@@ -737,7 +753,7 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dkv_bwd_kernel(const P
       key_side_chunk<T, D>(p, hd, b, kappa, m >= 0, s, kt);
       chunk_dkv<T, D, PHI_TILE>(p, hd, kappa, gh, m >= 0, s, kt);
       if (m < 0 || kappa == first) continue;
-      if constexpr (PHI_TILE) {  // tile m's fp32 phi(q) into the g storage (read last by table_w, before a barrier)
+      if constexpr (PHI_TILE) {  // tile m's fp32 phi(q) into the g storage (read last by chain_rows, before a barrier)
         features<T>(p, s.okq, s.sp, s.sm, nullptr, nullptr, kt.g);
         __syncthreads();
       }

@@ -222,31 +222,58 @@ __device__ __forceinline__ void load_rows_async(const T* x, long long stride, in
   mma::load_rows_async<kC, D, kThreads>(tile, x, stride, row0, ok);
 }
 
-// v rows [row0, row0 + 64) (global or shared memory) transposed into vt[d][j] (rows with ok = 0 are 0). Thread: row j,
-// chunks c0 + kPass i; up to four loads in flight before their stores.
-template <typename T, int D>
-__device__ __forceinline__ void load_vt(const T* v, long long stride, int row0, const int* ok, T* vt) {
-  constexpr int kPass = kThreads / kC, kIters = D / 8 / kPass, kBatch = kIters < 4 ? kIters : 4;
+// load_vt's thread layout: row j = thread % 64, 16-byte chunks c0 + kPass i (c0 = thread / 64) of it.
+template <int D> struct VtChunks {
+  static constexpr int kPass = kThreads / kC, kIters = D / 8 / kPass, kBatch = kIters < 4 ? kIters : 4;
   static_assert(kThreads % kC == 0 && (D / 8) % kPass == 0 && kIters % kBatch == 0, "tile shapes");
-  const int j = threadIdx.x % kC, c0 = threadIdx.x / kC;
-  const bool row_ok = ok[j] != 0;
-  const T* src = v + (long long)(row0 + j) * stride + 8 * c0;
+  static __device__ __forceinline__ int row() { return threadIdx.x % kC; }
+  // chunks i0 .. i0 + N - 1 of row j (src: its first chunk) into val, zeros where the row is not ok
+  template <typename T, int N>
+  static __device__ __forceinline__ void fetch(uint4 (&val)[N], const T* src, bool row_ok, int i0) {
 #pragma unroll
-  for (int i0 = 0; i0 < kIters; i0 += kBatch) {
-    uint4 val[kBatch];
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i)
+    for (int i = 0; i < N; ++i)
       val[i] = row_ok ? *reinterpret_cast<const uint4*>(src + 8 * kPass * (i0 + i)) : make_uint4(0, 0, 0, 0);
+  }
+  // their stores into vt[d][j]: element e of a chunk is 16-bit half e % 2 of word e / 2 (no local copy)
+  template <typename T, int N>
+  static __device__ __forceinline__ void store(const uint4 (&val)[N], T* vt, int i0) {
+    const int j = row(), c0 = threadIdx.x / kC;
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {  // element e of the chunk: 16-bit half e % 2 of word e / 2 (no local copy)
+    for (int i = 0; i < N; ++i) {
       const uint32_t words[4] = {val[i].x, val[i].y, val[i].z, val[i].w};
-      const int c = c0 + kPass * (i0 + i);
-      uint16_t* col = reinterpret_cast<uint16_t*>(vt) + 8 * c * kT + j;
+      uint16_t* col = reinterpret_cast<uint16_t*>(vt) + 8 * (c0 + kPass * (i0 + i)) * kT + j;
 #pragma unroll
       for (int e = 0; e < 8; ++e) col[e * kT] = static_cast<uint16_t>(e % 2 ? words[e / 2] >> 16 : words[e / 2]);
     }
   }
+};
+
+// v rows [row0, row0 + 64) (global or shared memory) transposed into vt[d][j] (rows with ok = 0 are 0). Thread: row j,
+// chunks c0 + kPass i; up to four loads in flight before their stores.
+template <typename T, int D>
+__device__ __forceinline__ void load_vt(const T* v, long long stride, int row0, const int* ok, T* vt) {
+  using C = VtChunks<D>;
+  const int j = C::row();
+  const T* src = v + (long long)(row0 + j) * stride + 8 * (threadIdx.x / kC);
+#pragma unroll
+  for (int i0 = 0; i0 < C::kIters; i0 += C::kBatch) {
+    uint4 val[C::kBatch];
+    C::fetch(val, src, ok[j] != 0, i0);
+    C::store(val, vt, i0);
+  }
 }
+
+// A whole load_vt held in registers between its loads (fetch; row_ok(j) for row row0 + j) and its transposed stores
+// (store), so that other work overlaps the loads' latency: kIters 16-byte words per thread.
+template <typename T, int D> struct VtInFlight {
+  using C = VtChunks<D>;
+  uint4 val[C::kIters];
+  template <typename Ok> __device__ __forceinline__ void fetch(const T* v, long long stride, int row0, Ok row_ok) {
+    const int j = C::row();
+    C::fetch(val, v + (long long)(row0 + j) * stride + 8 * (threadIdx.x / kC), row_ok(j), 0);
+  }
+  __device__ __forceinline__ void store(T* vt) const { C::store(val, vt, 0); }
+};
 
 // W x for the warp's 16 rows 16w.. of `tile` on tensor cores, in the C layout: acc[nt] holds planes 8 nt..8 nt + 7
 // (n-tiles past L*P are 0).
@@ -519,11 +546,20 @@ __device__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa,
   __syncthreads();  // the previous chunk's readers are done
   if (threadIdx.x < kC) s.okk[threadIdx.x] = key_ok(p, b, key0 + threadIdx.x);
   __syncthreads();
-  if (s.prefetch)
+  if (s.prefetch) {
     mma::cp_async_wait_all();  // this thread's copies; the barrier below publishes every thread's
-  else
+    if (s.xv == nullptr) load_vt<T, D>(hd.v, p.sv.n, key0, s.okk, s.vt);
+  } else if (s.xv == nullptr) {  // k's and v's loads in flight together
+    const auto ok = [&](int r) { return s.okk[r] != 0; };
+    mma::RowsInFlight<kC, D, kThreads> keys;
+    VtInFlight<T, D> values;
+    keys.fetch(hd.k, p.sk.n, key0, ok);
+    values.fetch(hd.v, p.sv.n, key0, ok);
+    keys.store(s.x);
+    values.store(s.vt);
+  } else {
     load_rows<T, D>(hd.k, p.sk.n, key0, s.okk, s.x);
-  if (s.xv == nullptr) load_vt<T, D>(hd.v, p.sv.n, key0, s.okk, s.vt);
+  }
   __syncthreads();
   if (s.xv != nullptr) load_vt<T, D>(s.xv, D + 8, 0, s.okk, s.vt);  // the staged rows, transposed
   project<T, D>(p, s.xk, s.w, hd.beta, s.sp, s.sm);
@@ -937,11 +973,19 @@ __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, 
   __syncthreads();
   if (threadIdx.x < kC) s.okq[threadIdx.x] = m * kC + threadIdx.x < p.nq;
   __syncthreads();
-  if (s.prefetch)
+  if (s.prefetch) {
     mma::cp_async_wait_all();  // this thread's copies; the barrier below publishes every thread's
-  else
+    if (dout != nullptr) load_rows<T, D>(dout, p.sdo.n, m * kC, s.okq, dtile);
+  } else if (dout != nullptr) {  // both copies' loads in flight together
+    const auto ok = [&](int r) { return s.okq[r] != 0; };
+    mma::RowsInFlight<kC, D, kThreads> queries, grads;
+    queries.fetch(hd.q, p.sq.n, m * kC, ok);
+    grads.fetch(dout, p.sdo.n, m * kC, ok);
+    queries.store(s.x);
+    grads.store(dtile);
+  } else {
     load_rows<T, D>(hd.q, p.sq.n, m * kC, s.okq, s.x);
-  if (dout != nullptr) load_rows<T, D>(dout, p.sdo.n, m * kC, s.okq, dtile);
+  }
   __syncthreads();
   project<T, D>(p, s.x, s.w, hd.beta, s.sp, s.sm, u);
   __syncthreads();

@@ -516,13 +516,15 @@ def test_compile_fullgraph(backend):
 SANITIZED_RUN = """
 import torch, hf_attention_backends as hfab
 g = torch.Generator(device="cuda").manual_seed(0)
-q = torch.randn(2, 2, 70, 32, device="cuda", generator=g).half()
-k, v = (torch.randn(2, 1, 100, 32, device="cuda", generator=g).half() for _ in range(2))
-planes, beta = hfab.make_planes(3, 2, 32).cuda(), torch.full((2,), 0.3, device="cuda")
-mask = torch.arange(100, device="cuda")[None, :] < torch.tensor([[100], [37]], device="cuda")
-for causal in (False, True):
-    out = torch.ops.hfab.race_fwd(q, k, v, planes, beta, mask, causal)
-    grads = torch.ops.hfab.race_bwd(torch.randn_like(out), q, k, v, planes, beta, mask, causal)
+# (dtype, D, L, P): the small half-precision case, then the benchmarks' bf16 D 64 P = L = 4 layout
+for dtype, d, n_tables, n_planes in ((torch.half, 32, 3, 2), (torch.bfloat16, 64, 4, 4)):
+    q = torch.randn(2, 2, 70, d, device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn(2, 1, 200, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    planes, beta = hfab.make_planes(n_tables, n_planes, d).cuda(), torch.full((2,), 0.3, device="cuda")
+    mask = torch.arange(200, device="cuda")[None, :] < torch.tensor([[200], [37]], device="cuda")
+    for causal in (False, True):
+        out = torch.ops.hfab.race_fwd(q, k, v, planes, beta, mask, causal)
+        grads = torch.ops.hfab.race_bwd(torch.randn_like(out), q, k, v, planes, beta, mask, causal)
 torch.cuda.synchronize()
 """
 
