@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# A / B of kernel builds on the GPU machine: each commit's tree (git archive) and the working tree built side by side
+# (in parallel, HFAB_BACKENDS / HFAB_CUDA_ARCHS as exported), then `benchmarks.profile` runs alternated between them,
+# ROUNDS rounds, into $OUT/ab.txt; each run names the tree and the extension it loaded.
+#
+#   OUT=... BASE=3d62a44 CASES="race_causal:262144:fwd+bwd nystrom_wide:131072:fwd+bwd" bash scripts/ab_profile.sh
+#
+# Environment: BASE (commits, space-separated; required), CASES (CASE:N:MODE words; required), ROUNDS (default 2),
+# RUN_TIMEOUT_S (one profile run, default 90), BUILD_TIMEOUT_S (default 300), PHASES (default "build profile": e.g.
+# PHASES=build, the GPU tests on the working tree, then PHASES=profile). Builds: $OUT/build-<name>.log.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+ROOT=$PWD
+: "${OUT:?OUT: the folder for ab.txt and the build logs}" "${BASE:?BASE: the commits to compare with the working tree}"
+: "${CASES:?CASES: CASE:N:MODE words, e.g. race_causal:262144:fwd+bwd}"
+ROUNDS=${ROUNDS:-2}
+RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-90}
+BUILD_TIMEOUT_S=${BUILD_TIMEOUT_S:-300}
+PY=${PYTHON:-python3}
+PHASES=${PHASES:-build profile}
+mkdir -p "$OUT"
+if [[ $(${CXX:-c++} -print-file-name=libstdc++.so 2>/dev/null) != */* && -x /usr/bin/g++ ]]; then
+    export CXX=/usr/bin/g++ CC=/usr/bin/gcc  # a compiler without libstdc++.so would link a static copy into _C.so
+fi
+jobs=$(( $(nproc) / ($(wc -w <<<"$BASE") + 1) ))
+build() {  # tree name
+    (cd "$1" && HFAB_BUILD_CUDA=1 HFAB_PTXAS_VERBOSE=1 timeout -k 10 "$BUILD_TIMEOUT_S" "$PY" setup.py build_ext --inplace -j "$jobs" \
+        >"$OUT/build-$2.log" 2>&1; echo "rc=$?" >>"$OUT/build-$2.log")
+}
+trees=("$ROOT") names=(work)
+for c in $BASE; do trees+=("/tmp/ab-$c") names+=("$c"); done
+if [[ $PHASES == *build* ]]; then
+    for c in $BASE; do
+        rm -rf "/tmp/ab-$c" && mkdir -p "/tmp/ab-$c" && git archive "$c" | tar -x -C "/tmp/ab-$c" \
+            || { echo "ab_profile: no commit $c"; exit 2; }
+    done
+    for i in "${!trees[@]}"; do build "${trees[$i]}" "${names[$i]}" & done
+    wait
+    for n in "${names[@]}"; do echo "build $n: $(tail -n 1 "$OUT/build-$n.log")"; done
+fi
+[[ $PHASES == *profile* ]] || exit 0
+for r in $(seq "$ROUNDS"); do
+    for spec in $CASES; do
+        IFS=: read -r case n mode <<<"$spec"
+        for i in "${!trees[@]}"; do
+            {
+                echo "== round $r, tree ${names[$i]}: $case $n $mode"
+                (cd "${trees[$i]}" && PYTHONPATH=${trees[$i]} timeout -k 5 "$RUN_TIMEOUT_S" "$PY" -c \
+                    "import hf_attention_backends._C as c; print('extension', c.__file__)" \
+                    && PYTHONPATH=${trees[$i]} timeout -k 5 "$RUN_TIMEOUT_S" "$PY" -m benchmarks.profile "$case" "$n" \
+                    --mode "$mode") 2>&1 | grep -v "UserWarning\|_warn_once"
+            } >>"$OUT/ab.txt"
+        done
+    done
+done
+grep "^==\|ms of GPU time" "$OUT/ab.txt"
