@@ -213,9 +213,8 @@ __device__ __forceinline__ void sum_slots(float (&delta)[NQ / 8][2], const float
 
 // dq rows [16 rt, +16) x columns [c0, +32) of a query tile, √scale-free: dS1ᵀ (queries x slots) in 16-bit halves
 // staged slot-major ([slot][queries + 8], A fragments by ldmatrix.trans) times the slots' key halves ([slot][D + 8],
-// B by ldmatrix.trans; CORE: in core matrices, mma::core_at), hi hi + hi lo + lo hi; 16-slot k-steps at or past
-// `valid` skipped.
-template <typename T, int D, int DS_ROW, bool CORE = false>
+// B by ldmatrix.trans), hi hi + hi lo + lo hi; 16-slot k-steps at or past `valid` skipped.
+template <typename T, int D, int DS_ROW>
 __device__ __forceinline__ void ds_keys(float (&acc)[4][4], const uint16_t* dhi, const uint16_t* dlo,
                                         const uint16_t* khi, const uint16_t* klo, int rt, int c0, int valid,
                                         int lane) {
@@ -231,8 +230,7 @@ __device__ __forceinline__ void ds_keys(float (&acc)[4][4], const uint16_t* dhi,
     mma::ldsm_x4_trans(alo, dlo + at);
 #pragma unroll
     for (int dn = 0; dn < 2; ++dn) {
-      const int row = 16 * kc + trow, col = c0 + 16 * dn + tcol;
-      const int off = CORE ? mma::core_at<D>(row, col) : row * kRow + col;
+      const int off = (16 * kc + trow) * kRow + c0 + 16 * dn + tcol;
       uint32_t bh[4], bl[4];
       mma::ldsm_x4_trans(bh, khi + off);
       mma::ldsm_x4_trans(bl, klo + off);
@@ -270,7 +268,6 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
     nystrom_k1_tc_bwd_kernel(const BwdParams bp) {
   using S = K1Smem<D, W>;
   constexpr int kThreadsW = 32 * W, kSlotsW = 16 * W;
-  constexpr bool kWg = kWgmma && W == 4;  // sm_90a: the block is one warpgroup on its 64 slots; tiles in core matrices
   constexpr int kTile = S::kSlotTile, kQTile = S::kQueryTile, kQueries = S::kQueries;
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* khi = reinterpret_cast<uint16_t*>(smem);
@@ -294,8 +291,8 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
   auto load = [&](int q0, int buf) {
     uint16_t* qt = qdo + 2 * buf * kQTile;
     auto ok = [=](int r) { return q0 + r < qend; };
-    mma::load_rows_async<kQueries, D, kThreadsW, false, kWg>(qt, q, p.sq.n, q0, ok);
-    mma::load_rows_async<kQueries, D, kThreadsW, false, kWg>(qt + kQTile, dout, D, q0, ok);
+    mma::load_rows_async<kQueries, D, kThreadsW>(qt, q, p.sq.n, q0, ok);
+    mma::load_rows_async<kQueries, D, kThreadsW>(qt + kQTile, dout, D, q0, ok);
     float* st = stats + 2 * buf * kQueries;
     for (int c = threadIdx.x; c < kQueries; c += kThreadsW) {
       const bool in = q0 + c < qend;
@@ -306,8 +303,8 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
   if (qbeg < qend) load(qbeg, 0);
   const long long slot0 = (long long)bh * p.slots + s0;
   const int count = max(min(nvalid - s0, kSlotsW), 0);
-  split_rows<T, D, kThreadsW, kWg>(p.keys + slot0 * D, count, kSlotsW, khi, klo);
-  split_rows<T, D, kThreadsW, kWg>(p.vals + slot0 * D, count, kSlotsW, vhi, vlo);
+  split_rows<T, D, kThreadsW>(p.keys + slot0 * D, count, kSlotsW, khi, klo);
+  split_rows<T, D, kThreadsW>(p.vals + slot0 * D, count, kSlotsW, vhi, vlo);
 
   float dvals[D / 8][4], dkeys[D / 8][4];
 #pragma unroll
@@ -316,13 +313,10 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
     for (int e = 0; e < 4; ++e) dvals[dn][e] = dkeys[dn][e] = 0.f;
   const bool slot_ok[2] = {s0 + 16 * warp + g < nvalid, s0 + 16 * warp + g + 8 < nvalid};
   int dkeys_exps[2] = {kRowExpMax, kRowExpMax};
-  // else every slot of this warp is past the valid ones: loads and barriers (wgmma: the warpgroup's products are
-  // collective, so every warp takes them while the block has a valid slot; rows past them are zeros)
-  const bool active = kWg ? count > 0 : 16 * warp < count;
+  const bool active = 16 * warp < count;  // else every slot of this warp is past the valid ones: loads and barriers
   int buf = 0;
   for (int q0 = qbeg; q0 < qend; q0 += kQueries, buf ^= 1) {
     mma::cp_async_wait_all();
-    if constexpr (kWg) wgmma::fence_shared_for_async();  // this thread's copies and stores, for the products' reads
     __syncthreads();  // this tile (and, at the first, the slots) is in; every warp is done with the other buffer
     if (q0 + kQueries < qend) load(q0 + kQueries, buf ^ 1);
     uint16_t* qt = qdo + 2 * buf * kQTile;
@@ -332,18 +326,8 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
     float dp[kQueries / 8][4];  // dPᵀ = vals dOᵀ (slots x queries), then dS1ᵀ scaled per slot row
     if (active) {
       float s[kQueries / 8][4];  // Sᵀ = keys q_sᵀ, then K1ᵀ
-      if constexpr (kWg) {
-        zero(s);
-        zero(dp);
-        wgmma::fence();
-        issue_two_products<T, D, kQueries>(s, khi, qt, klo, qt);
-        issue_two_products<T, D, kQueries>(dp, vhi, dt, vlo, dt);
-        wgmma::commit_group();
-        wgmma::wait_group<0>();
-      } else {
-        const uint16_t* const halves[4] = {khi, klo, vhi, vlo};
-        halves_scores<T, D>(s, dp, halves, qt, dt, warp, lane);
-      }
+      const uint16_t* const halves[4] = {khi, klo, vhi, vlo};
+      halves_scores<T, D>(s, dp, halves, qt, dt, warp, lane);
 #pragma unroll
       for (int j = 0; j < kQueries / 8; ++j)
 #pragma unroll
@@ -367,14 +351,9 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           dp[j][e] = s[j][e] * (dp[j][e] - (FUSED ? delta[j][e & 1] : lse[kQueries + 8 * j + 2 * t + (e & 1)]));
+      halves_product<T, D, kQueries / 8, false>(dvals, s, dt, nullptr, kQueries, lane);  // K1ᵀ dO
       scale_rows<kQueries / 8, D>(dp, dkeys, dkeys_exps);  // dS1 scales with dO: fp16's subnormals for a tiny dO
-      if constexpr (kWg) {
-        halves_product_wg<T, D, kQueries / 8, false>(dvals, s, dt, nullptr);  // K1ᵀ dO
-        halves_product_wg<T, D, kQueries / 8, false>(dkeys, dp, qt, nullptr);  // dS1ᵀ q
-      } else {
-        halves_product<T, D, kQueries / 8, false>(dvals, s, dt, nullptr, kQueries, lane);
-        halves_product<T, D, kQueries / 8, false>(dkeys, dp, qt, nullptr, kQueries, lane);
-      }
+      halves_product<T, D, kQueries / 8, false>(dkeys, dp, qt, nullptr, kQueries, lane);  // dS1ᵀ q
     } else if (FUSED) {  // this warp's part of Δ1 is 0; the others wait for it
       for (int c = lane; c < kQueries; c += 32) parts[warp * kQueries + c] = 0.f;
       __syncthreads();
@@ -401,7 +380,7 @@ __global__ void __launch_bounds__(32 * W, row_blocks<W>(D == 128 ? 1 : 2))
       for (int item = warp; item < kItems; item += W) {
         const int rt = item / kChunks, c0 = 32 * (item % kChunks);
         float acc[4][4];
-        ds_keys<T, D, S::kDsRow, kWg>(acc, dhi, dlo, khi, klo, rt, c0, count, lane);
+        ds_keys<T, D, S::kDsRow>(acc, dhi, dlo, khi, klo, rt, c0, count, lane);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int row = q0 + 16 * rt + g + 8 * r;

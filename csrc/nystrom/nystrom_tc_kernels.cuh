@@ -264,26 +264,18 @@ __device__ __forceinline__ void store_rows(const Params& p, const float (&o)[D /
   }
 }
 
-// acc (64 x N per warpgroup; this warp's 16 rows in the C layout) += a0 b0ᵀ + a1 b1ᵀ with a0, a1 the warpgroup's 64
-// rows and b0, b1 rows [0, N) of core-matrix tiles (D wide, K-major), by wgmma: issued only (the caller fences before,
-// commits and waits after).
-template <typename T, int D, int N>
-__device__ __forceinline__ void issue_two_products(float (&acc)[N / 8][4], const uint16_t* a0, const uint16_t* b0,
-                                                   const uint16_t* a1, const uint16_t* b1) {
-#pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc) {  // K-major operands: core matrices 128 bytes apart in k, 16 D in rows
-    wgmma::mma<N, T, false>(acc, wgmma::descriptor(a0 + 128 * kc, 128, 16 * D),
-                            wgmma::descriptor(b0 + 128 * kc, 128, 16 * D), true);
-    wgmma::mma<N, T, false>(acc, wgmma::descriptor(a1 + 128 * kc, 128, 16 * D),
-                            wgmma::descriptor(b1 + 128 * kc, 128, 16 * D), true);
-  }
-}
-
-// acc += a (b_hi + b_lo)ᵀ: issue_two_products with a twice.
+// acc (64 x N per warpgroup; this warp's 16 rows in the C layout) += a (the warpgroup's 64 rows, core matrices, D
+// wide) times (b_hi + b_lo)ᵀ (rows [0, N) of two core-matrix tiles, D wide), both K-major, by wgmma: issued only (the
+// caller fences before, commits and waits after).
 template <typename T, int D, int N>
 __device__ __forceinline__ void issue_times_halves(float (&acc)[N / 8][4], const uint16_t* a, const uint16_t* b_hi,
                                                    const uint16_t* b_lo) {
-  issue_two_products<T, D, N>(acc, a, b_hi, a, b_lo);
+#pragma unroll
+  for (int kc = 0; kc < D / 16; ++kc) {  // K-major operands: core matrices 128 bytes apart in k, 16 D in rows
+    const uint64_t ad = wgmma::descriptor(a + 128 * kc, 128, 16 * D);
+    wgmma::mma<N, T, false>(acc, ad, wgmma::descriptor(b_hi + 128 * kc, 128, 16 * D), true);
+    wgmma::mma<N, T, false>(acc, ad, wgmma::descriptor(b_lo + 128 * kc, 128, 16 * D), true);
+  }
 }
 
 template <int NT>

@@ -36,14 +36,13 @@ def emulator(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wgmma_emulator(tmp_path_factory):
-    """The same kernels built as for sm_90a: the output, row-statistics, k1 (four warps) and dk/dv kernels take their
-    wgmma path."""
+    """The same kernels built as for sm_90a: the output, row-statistics and dk/dv kernels take their wgmma path."""
     return build("nystrom", tmp_path_factory.mktemp("emulation"), defines=("HFAB_EMULATE_WGMMA",))
 
 
 @pytest.fixture(params=["mma.sync", "wgmma"])
 def paths_emulator(request):
-    """The kernels with a wgmma path (attend_tiles, k1, dk/dv) on each of their two paths."""
+    """The kernels with a wgmma path (attend_tiles, dk/dv) on each of their two paths."""
     return request.getfixturevalue("emulator" if request.param == "mma.sync" else "wgmma_emulator")
 
 
@@ -244,7 +243,7 @@ def k1_oracle(q, dout, keys, vals, nvalid, lse1, delta1, a_chunk, precision):
     (64, torch.float16, 64, [64, 40], 128, 1.0, True),      # four warps, one slot tile, fused; two splits
     (32, torch.bfloat16, 40, [40, 0], 128, 1.0, False),     # four warps at D 32; a batch without valid rows
 ])
-def test_buffer_gradient_kernel_against_the_oracle(paths_emulator, d, dtype, slots, nvalid, a_chunk, dout_scale, delta):
+def test_buffer_gradient_kernel_against_the_oracle(emulator, d, dtype, slots, nvalid, a_chunk, dout_scale, delta):
     """With `delta` (the fused instance) the kernel sums Δ1 itself (one slot tile) and writes it for every query row
     of a sequence with valid slots, and writes dq's buffer part √scale dS1 keys for every query row (zeros without
     valid slots); else it reads the given Δ1 and leaves dq alone."""
@@ -255,7 +254,7 @@ def test_buffer_gradient_kernel_against_the_oracle(paths_emulator, d, dtype, slo
     part_dkeys = nan_like(keys, (splits, b * hq, slots, d), torch.float32)
     part_dvals = nan_like(keys, (splits, b * hq, slots, d), torch.float32)
     dq = nan_like(q)
-    rc = paths_emulator.nystrom_k1_bwd(int(dtype == torch.bfloat16), d, b, hq, n, slots, ctypes.c_float(d ** -0.25), a_chunk,
+    rc = emulator.nystrom_k1_bwd(int(dtype == torch.bfloat16), d, b, hq, n, slots, ctypes.c_float(d ** -0.25), a_chunk,
                                  int(delta), ptr(q), ptr(dout), ptr(keys), ptr(vals), ptr(nv), ptr(lse1), ptr(given),
                                  ptr(part_dkeys), ptr(part_dvals), ptr(dq))
     check_rc(rc, "nystrom_k1_bwd")

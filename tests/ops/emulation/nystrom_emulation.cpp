@@ -55,7 +55,6 @@ bool buffer_gradients(const BwdParams& bp, int b) {
     static_assert(tc::K1Smem<D, W>::bytes <= sizeof(tc::smem), "dynamic shared memory of the emulation too small");
     if (FUSED && bp.p.slots > 16 * W) return false;  // Δ1 and dq from one slot tile only, as the host launches it
     const dim3 grid(emu::blocks(bp.p.n, bp.a_chunk), emu::blocks(bp.p.slots, 16 * W), b * bp.p.hq);
-    emu::shared_window = reinterpret_cast<const char*>(tc::smem);  // wgmma descriptors count from here
     return emu::launch(grid, 32 * W, [&] { tc::nystrom_k1_tc_bwd_kernel<T, D, W, FUSED>(bp); });
   });
 }
