@@ -35,6 +35,14 @@
 namespace hfab {
 namespace wgmma {
 
+// Whether this compilation takes the wgmma products (an sm_90a target, or the emulator's HFAB_EMULATE_WGMMA); else
+// mma.sync. Kernels choose with `if constexpr`: no host dispatch.
+#if defined(HFAB_HAS_WGMMA)
+inline constexpr bool kEnabled = true;
+#else
+inline constexpr bool kEnabled = false;
+#endif
+
 // 64-bit descriptor of a no-swizzle operand tile at shared address `tile` (16-byte aligned): bits 0-13 the address,
 // 16-29 the leading byte offset (k_bytes: between core matrices adjacent in k), 32-45 the stride byte offset
 // (mn_bytes: adjacent in m or n), all in 16-byte units; swizzle mode (bits 62-63) 0.

@@ -24,13 +24,7 @@ namespace hfab {
 namespace nystrom {
 namespace tc {
 
-// Whether this compilation takes the wgmma products (an sm_90a target, or the emulator's HFAB_EMULATE_WGMMA); else
-// mma.sync. Kernels choose with `if constexpr`: no host dispatch.
-#if defined(HFAB_HAS_WGMMA)
-constexpr bool kWgmma = true;
-#else
-constexpr bool kWgmma = false;
-#endif
+constexpr bool kWgmma = wgmma::kEnabled;
 
 constexpr int kWarps = 8, kThreads = 32 * kWarps, kBQ = 16 * kWarps;
 constexpr int kChunk = 32;  // buffer rows per online-softmax step (32: the scores take 16 registers, not 32)

@@ -20,6 +20,12 @@ inline const char* shared_window = nullptr;
 namespace hfab {
 namespace wgmma {
 
+#if defined(HFAB_HAS_WGMMA)
+inline constexpr bool kEnabled = true;
+#else
+inline constexpr bool kEnabled = false;
+#endif
+
 inline uint64_t descriptor(const void* tile, uint32_t k_bytes, uint32_t mn_bytes) {
   assert(emu::shared_window != nullptr && "the harness sets emu::shared_window");
   const auto addr = static_cast<uint32_t>(static_cast<const char*>(tile) - emu::shared_window);
