@@ -29,7 +29,6 @@
 #include "common/mma.cuh"
 #include "common/strides.cuh"
 #include "common/tile.cuh"
-#include "common/wgmma.cuh"
 
 namespace hfab {
 namespace stieltjes {
@@ -112,11 +111,10 @@ __device__ __forceinline__ void load_rows(HTile<ROWS, D>& t, const T* base, long
   mma::load_rows<ROWS, D, kThreads>(t.h, base, stride, row0, [=](int r) { return row0 + r < n; });
 }
 
-// The same with cp.async (16 bytes per chunk, rows >= n zero-filled): completes at cp_async_wait. CORE: the tile's
-// storage holds the rows in wgmma's core matrices instead (mma::core_at; ROWS x D elements, no padding).
-template <bool CORE = false, int ROWS, int D, typename T>
+// The same with cp.async (16 bytes per chunk, rows >= n zero-filled): completes at cp_async_wait.
+template <int ROWS, int D, typename T>
 __device__ __forceinline__ void load_rows_async(HTile<ROWS, D>& t, const T* base, long long stride, int row0, int n) {
-  mma::load_rows_async<ROWS, D, kThreads, false, CORE>(t.h, base, stride, row0, [=](int r) { return row0 + r < n; });
+  mma::load_rows_async<ROWS, D, kThreads>(t.h, base, stride, row0, [=](int r) { return row0 + r < n; });
 }
 
 // A fragments (16 x D, row-major rows [r0, r0 + 16) of t), one per 16-column chunk.
@@ -151,21 +149,6 @@ __device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const uint32_t (&a)
       mma16816<T>(acc[2 * jj], a[kc], b[0], b[1]);
       mma16816<T>(acc[2 * jj + 1], a[kc], b[2], b[3]);
     }
-}
-
-// The same for the block's four warps as one warpgroup (sm_90a, wgmma): acc (this warp's 16 rows x 8 NT) = A (the
-// warpgroup's 64 rows, this warp's fragments a) . B^T with B rows [0, 8 NT) of kt, a tile in core matrices (D wide,
-// K-major); waited for.
-template <int NT, int D, typename T>
-__device__ __forceinline__ void mma_abt_wg(float (&acc)[NT][4], const uint32_t (&a)[D / 16][4], const uint16_t* kt) {
-#pragma unroll
-  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  wgmma::fence();
-#pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc)  // core matrices 128 bytes apart in k, 16 D bytes apart in rows
-    wgmma::mma_regs<8 * NT, T, false>(acc, a[kc], wgmma::descriptor(kt + 128 * kc, 128, 16 * D), true);
-  wgmma::commit_group();
-  wgmma::wait_group<0>();
 }
 
 // The same with A rows [r0, r0 + 16) of a shared tile (fragments by ldmatrix.x4 per 16-column chunk).
@@ -266,9 +249,6 @@ template <int D> struct FwdCfg {
   // blocks per SM the registers must allow: caps registers at 128 (D <= 64: 4 blocks), 255 (D 128: 2 blocks by
   // its ~190 registers); lower caps (96, 80) spill
   static constexpr int kMinBlocks = D <= 64 ? 4 : 2;
-  // sm_90a: the scores Q K^T on wgmma (the block's four warps are one warpgroup on its 64 rows; Q from the
-  // registers, the key tiles in core matrices), and the sub-tiles a block sees none of are skipped instead of a warp's
-  static constexpr bool kWgScores = wgmma::kEnabled;
   struct Smem {  // key tiles double-buffered (cp.async prefetch of the next tile)
     HTile<BK, D> k[2];
     union {
@@ -299,18 +279,16 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
   uint32_t qf[D / 16][4];
   a_frags(qf, sm.u.q, 16 * warp, lane);
 
-  // keys past the last one the warp (wgmma: the block) may see
-  const int tiles = (key_end(p, q0, BQ) + BK - 1) / BK, seen_keys = key_end(p, Cfg::kWgScores ? q0 : r0,
-                                                                              Cfg::kWgScores ? BQ : 16);
+  const int tiles = (key_end(p, q0, BQ) + BK - 1) / BK, warp_keys = key_end(p, r0, 16);
   auto issue = [&](bool with_v, int tile) {
     const int buf = tile & 1, k0 = tile * BK;
-    load_rows_async<Cfg::kWgScores>(sm.k[buf], k, p.sk.n, k0, p.nk);
+    load_rows_async(sm.k[buf], k, p.sk.n, k0, p.nk);
     if (with_v) load_rows_async(sm.u.v[buf], v, p.sv.n, k0, p.nk);
     load_bias<BK>(sm.kbias[buf], p, b, k0);
   };
   // body(s, buf, koff, all): s = raw q.k of this warp's 16 rows x keys koff + [0, KS) of the tile in buffer buf,
-  // -inf where not allowed; all: every pair of the warp's sub-tile is allowed. Sub-tiles past the warp's (wgmma: the
-  // block's) last visible key (causal) are skipped: all their pairs are masked.
+  // -inf where not allowed; all: every pair of the warp's sub-tile is allowed. Sub-tiles past the warp's last
+  // visible key (causal) are skipped: all their pairs are masked.
   auto sweep = [&](bool with_v, auto&& body) {
     if (tiles == 0) return;
     __syncthreads();  // readers of the previous sweep's buffers (and of q, aliased with v) are done
@@ -318,16 +296,14 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
     for (int tile = 0; tile < tiles; ++tile) {
       const int buf = tile & 1;
       mma::cp_async_wait_all();
-      if constexpr (Cfg::kWgScores) wgmma::fence_shared_for_async();  // this thread's copies, for the wgmma reads
       __syncthreads();  // tile `tile` has landed for every thread; tile - 1's readers are done
       if (tile + 1 < tiles) issue(with_v, tile + 1);  // overwrites the buffer tile - 1 used
 #pragma unroll
       for (int koff = 0; koff < BK; koff += KS) {
         const int k0 = tile * BK + koff;
-        if (k0 >= seen_keys) break;  // warp-uniform (wgmma: block-uniform)
+        if (k0 >= warp_keys) break;  // warp-uniform
         float s[NT][4];
-        if constexpr (Cfg::kWgScores) mma_abt_wg<NT, D, T>(s, qf, &sm.k[buf].h[0][0] + koff * D);
-        else mma_abt<NT, BK, D, T>(s, qf, sm.k[buf], lane, koff);
+        mma_abt<NT, BK, D, T>(s, qf, sm.k[buf], lane, koff);
         const bool all = all_allowed(p, r0, 16, k0, KS);  // warp-uniform: interior sub-tiles skip the mask
         if (!all) mask_raw(s, p, sm.kbias[buf] + koff, r0, k0, lane);
         body(s, buf, koff, all);

@@ -14,11 +14,9 @@ from tests.ops.emulation import build, check_rc, cpu_inputs, nan_like, ptr
 from tests.ops.test_stieltjes_cuda import CONVERGED, check_against_oracle
 
 
-@pytest.fixture(scope="module", params=["mma.sync", "wgmma"])
-def emulator(request, tmp_path_factory):
-    """The kernels as built for sm_80 (mma.sync) and for sm_90a (HFAB_EMULATE_WGMMA: the forward's scores on wgmma)."""
-    defines = ("HFAB_EMULATE_WGMMA",) if request.param == "wgmma" else ()
-    return build("stieltjes", tmp_path_factory.mktemp("emulation"), defines=defines)
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return build("stieltjes", tmp_path_factory.mktemp("emulation"))
 
 
 def emulated(lib):

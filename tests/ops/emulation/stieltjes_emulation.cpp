@@ -49,7 +49,6 @@ template <typename T, int D, int IORD>
 bool forward(const Params& p, int b) {
   using Cfg = FwdCfg<D>;
   check_smem<typename Cfg::Smem>();
-  emu::shared_window = reinterpret_cast<const char*>(smem_raw);  // wgmma descriptors count from here
   return emu::launch(dim3(emu::blocks(p.nq, Cfg::BQ), p.hq, b), kThreads, [&] { stieltjes_fwd_kernel<T, D, IORD>(p); });
 }
 
