@@ -19,6 +19,12 @@ def make_inputs(b, hq, hkv, nq, nk, d, *, dtype=torch.float16, scale=1.0, seed=0
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def assert_not_drawn_like(dout, q):
+    """The upstream gradient must not be q itself (the same seed's stream, e.g. make_inputs(seed=s) beside a dO drawn
+    with seed s): a kernel that swapped the two tiles would then pass."""
+    assert not torch.equal(dout, q.to(dout.dtype)), "dO equals q: draw dO from another seed"
+
+
 def poison(*likes):
     """Leave NaN-filled blocks of these sizes in the CUDA caching allocator for the next outputs to reuse."""
     blocks = [torch.full_like(t, float("nan")) for t in likes]

@@ -14,8 +14,8 @@ from benchmarks.bench_exact import fp32_fma_tflops, packed_half_fma_tflops
 from hf_attention_backends.ops.exact import reference
 from tests.inputs import make_padding
 from tests.ops.cuda_helpers import (DEV, assert_compiled_matches_eager, assert_kernels_registered,
-                                    assert_sanitizer_clean, assert_unchanged_by_autocast, make_inputs, poison,
-                                    replay_in_cuda_graph, strided_mask, strided_views)
+                                    assert_not_drawn_like, assert_sanitizer_clean, assert_unchanged_by_autocast,
+                                    make_inputs, poison, replay_in_cuda_graph, strided_mask, strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -67,6 +67,7 @@ def check_against_oracle(q, k, v, *, causal, mask=None, scale=None, grads=True, 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     g = torch.Generator(device=q.device).manual_seed(seed)
     dout = torch.randn(q.shape, device=q.device, generator=g).to(q.dtype)
+    assert_not_drawn_like(dout, q)
     out, lse, kernel_grads = run(q, k, v, dout, causal=causal, scale=scale, mask=mask)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32

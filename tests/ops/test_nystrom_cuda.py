@@ -14,9 +14,9 @@ import torch
 import hf_attention_backends as hfab
 from hf_attention_backends.ops.nystrom import reference
 from tests.inputs import make_padding
-from tests.ops.cuda_helpers import (assert_compiled_matches_eager, assert_kernels_registered, assert_sanitizer_clean,
-                                    assert_unchanged_by_autocast, cases_in_subprocess, make_inputs, poison,
-                                    replay_in_cuda_graph, strided_mask, strided_views)
+from tests.ops.cuda_helpers import (assert_compiled_matches_eager, assert_kernels_registered, assert_not_drawn_like,
+                                    assert_sanitizer_clean, assert_unchanged_by_autocast, cases_in_subprocess,
+                                    make_inputs, poison, replay_in_cuda_graph, strided_mask, strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -58,6 +58,7 @@ def check(q, k, v, *, m, iters=6, kappa=0.0, conv=None, mask=None, scale=None, s
     hyper = dict(m=m, iters=iters, kappa=kappa, mask=mask, scale=scale)
     g = torch.Generator(device=DEV).manual_seed(seed)
     dout = torch.randn(q.shape, device=DEV, generator=g).to(q.dtype)
+    assert_not_drawn_like(dout, q)
     out, grads = run_kernel(q, k, v, dout, conv=conv, recompute=recompute, **hyper)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     conv64 = None if conv is None else conv.double()
@@ -91,7 +92,7 @@ def test_lengths_and_landmarks_gqa(n, m, d):
 @pytest.mark.parametrize("m", [1, 16, 32, 64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_landmark_counts(m, dtype):
-    check(*make_inputs(1, 4, 4, 333, 333, 64, dtype=dtype, seed=m), m=m)
+    check(*make_inputs(1, 4, 4, 333, 333, 64, dtype=dtype, seed=100 + m), m=m)  # not seed 1: check's dO
 
 
 @pytest.mark.parametrize("kappa", [0.0, 2.0])

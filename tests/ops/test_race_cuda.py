@@ -19,8 +19,9 @@ import hf_attention_backends as hfab
 from hf_attention_backends.ops.race import reference
 from tests.inputs import make_padding
 from tests.ops.cuda_helpers import (DEV, assert_compiled_matches_eager, assert_kernels_registered,
-                                    assert_sanitizer_clean, assert_unchanged_by_autocast, cases_in_subprocess,
-                                    make_inputs, poison, replay_in_cuda_graph, strided_mask, strided_views)
+                                    assert_not_drawn_like, assert_sanitizer_clean, assert_unchanged_by_autocast,
+                                    cases_in_subprocess, make_inputs, poison, replay_in_cuda_graph, strided_mask,
+                                    strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -91,6 +92,7 @@ def check_against_oracle(q, k, v, planes, beta, *, causal, mask=None, seed=1, ru
     run: like run_kernel (the CUDA ops, the default)."""
     g = torch.Generator(device=q.device).manual_seed(seed)
     dout = torch.randn(q.shape, device=q.device, generator=g).to(q.dtype)
+    assert_not_drawn_like(dout, q)
     out, grads = run(q, k, v, planes, beta, dout, causal=causal, mask=mask)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
 

@@ -19,8 +19,8 @@ from hf_attention_backends.ops.stieltjes import reference
 from hf_attention_backends.ops.stieltjes.op import default_newton_iter
 from tests.inputs import make_padding
 from tests.ops.cuda_helpers import (DEV, assert_compiled_matches_eager, assert_kernels_registered,
-                                    assert_sanitizer_clean, assert_unchanged_by_autocast, make_inputs, poison,
-                                    replay_in_cuda_graph, strided_mask, strided_views)
+                                    assert_not_drawn_like, assert_sanitizer_clean, assert_unchanged_by_autocast,
+                                    make_inputs, poison, replay_in_cuda_graph, strided_mask, strided_views)
 from tests.tolerance import assert_close_to_oracle
 
 pytestmark = pytest.mark.cuda
@@ -98,6 +98,7 @@ def check_against_oracle(q, k, v, *, order=4.0, causal=False, mask=None, newton_
     scale = q.shape[-1] ** -0.5
     g = torch.Generator(device=q.device).manual_seed(seed)
     dout = torch.randn(q.shape, device=q.device, generator=g).to(q.dtype)
+    assert_not_drawn_like(dout, q)
     kw = dict(order=order, causal=causal, scale=scale, mask=mask)
     (out, rowmax, lam), grads = run(q, k, v, dout, newton_iter=newton_iter, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
