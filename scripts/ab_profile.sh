@@ -32,7 +32,7 @@ for c in $BASE; do trees+=("/tmp/ab-$c") names+=("$c"); done
 if [[ $PHASES == *build* ]]; then
     for c in $BASE; do
         rm -rf "/tmp/ab-$c" && mkdir -p "/tmp/ab-$c" && git archive "$c" | tar -x -C "/tmp/ab-$c" \
-            || { echo "ab_profile: no commit $c"; exit 2; }
+            || { rm -rf "/tmp/ab-$c"; echo "ab_profile: no commit $c"; exit 2; }
     done
     for i in "${!trees[@]}"; do build "${trees[$i]}" "${names[$i]}" & done
     wait

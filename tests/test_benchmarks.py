@@ -423,8 +423,29 @@ def test_sass_report_weights_rows_by_a_profile(tmp_path, capsys):
         sass_report.main([str(sass), "my_kernel", "--ncu", str(page), "--ncu-kernel", "my_kernel<32>"])
 
 
-def test_gpu_check_script_is_valid_bash():
-    subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", "gpu_check.sh")], check=True)
+@pytest.mark.parametrize("script", sorted(f for f in os.listdir(os.path.join(ROOT, "scripts")) if f.endswith(".sh")))
+def test_scripts_are_valid_bash(script):
+    subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", script)], check=True)
+
+
+@pytest.mark.parametrize("missing, env", [
+    ("OUT", {}),
+    ("BASE", {"OUT": "x"}),
+    ("CASES", {"OUT": "x", "BASE": "HEAD"}),
+])
+def test_ab_profile_names_what_it_needs(tmp_path, missing, env):
+    env = {k: str(tmp_path / v) if k == "OUT" else v for k, v in env.items()}
+    base = {k: v for k, v in os.environ.items() if k not in ("OUT", "BASE", "CASES")}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "ab_profile.sh")], env={**base, **env},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and f"{missing}:" in proc.stderr
+
+
+def test_ab_profile_rejects_an_unknown_commit(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path / "out"), BASE="no-such-commit", CASES="race:4096:fwd", PHASES="build")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "ab_profile.sh")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "ab_profile: no commit no-such-commit" in proc.stdout
 
 
 @pytest.mark.slow
