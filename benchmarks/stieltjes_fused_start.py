@@ -39,7 +39,7 @@ import time
 import torch
 
 from benchmarks.stieltjes_solver import output_error, root_by_bisection, score_rows
-from hf_attention_backends.ops.stieltjes.reference import HALLEY_MIN_ORDER, solve_lambda
+from hf_attention_backends.ops.stieltjes.reference import solve_lambda, solver_step
 
 SCALES = (0.05, 0.3, 1.0, 2.0, 3.0, 5.0, 7.0, 10.0)
 SIZES = (1, 2, 7, 64, 333, 2049, 4097, 16384)
@@ -98,13 +98,8 @@ def newton_and_halley(lam, f, s1, s2, order):
 
 
 def reference_step(x: torch.Tensor, lam: torch.Tensor, order: float) -> torch.Tensor:
-    """One step of ``solve_lambda`` from lam: clamped Halley at order >= 4, Newton below; then >= 1."""
-    upper = torch.full_like(lam, x.shape[1] ** (1.0 / order))
-    newton, halley = newton_and_halley(lam, *sums(x, lam, order), order)
-    if order >= HALLEY_MIN_ORDER:
-        beyond = halley > newton  # False where nan
-        newton = torch.where(beyond, torch.maximum(newton, torch.minimum(halley, upper)), newton)
-    return torch.clamp_min(newton, 1.0)
+    """One step of ``solve_lambda`` from lam (every key allowed)."""
+    return solver_step(x, lam, order, torch.full_like(lam, x.shape[1] ** (1.0 / order)))
 
 
 def jensen_start(x: torch.Tensor, order: float) -> torch.Tensor:

@@ -65,22 +65,28 @@ def solve_lambda(x: Tensor, allowed: Tensor, order: float, newton_iter: int) -> 
     upper = n.pow(1.0 / order)
     lam = torch.clamp_min(upper + mean_x, 1.0)
     for _ in range(newton_iter):
-        y = lam[..., None] - x  # inf at keys that are not allowed
-        p = y.pow(-order)
-        f = p.sum(dim=-1)
-        r = p / y
-        s1 = r.sum(dim=-1)  # sum_j y^(-order-1) = -f'(lambda) / order
-        w = f.pow(1.0 / order)
-        newton = lam + f * (w - 1.0) / s1
-        if order >= HALLEY_MIN_ORDER:
-            s2 = (r / y).sum(dim=-1)
-            den = 2.0 * s1 * s1 + (w - 1.0) * (order + 1.0) * (s1 * s1 - f * s2)
-            positive = den > 0
-            halley = lam + 2.0 * (w - 1.0) * s1 * f / torch.where(positive, den, torch.ones_like(den))  # finite
-            beyond = positive & (halley > newton)
-            newton = torch.where(beyond, torch.maximum(newton, torch.minimum(halley, upper)), newton)
-        lam = torch.clamp_min(newton, 1.0)
+        lam = solver_step(x, lam, order, upper)
     return lam
+
+
+def solver_step(x: Tensor, lam: Tensor, order: float, upper: Tensor) -> Tensor:
+    """One step of ``solve_lambda`` from lam (...,): Newton below order 4, clamped Halley from 4 up (with upper =
+    n^(1/order), n the allowed keys per row), then clamped to >= 1."""
+    y = lam[..., None] - x  # inf at keys that are not allowed
+    p = y.pow(-order)
+    f = p.sum(dim=-1)
+    r = p / y
+    s1 = r.sum(dim=-1)  # sum_j y^(-order-1) = -f'(lambda) / order
+    w = f.pow(1.0 / order)
+    newton = lam + f * (w - 1.0) / s1
+    if order >= HALLEY_MIN_ORDER:
+        s2 = (r / y).sum(dim=-1)
+        den = 2.0 * s1 * s1 + (w - 1.0) * (order + 1.0) * (s1 * s1 - f * s2)
+        positive = den > 0
+        halley = lam + 2.0 * (w - 1.0) * s1 * f / torch.where(positive, den, torch.ones_like(den))  # finite
+        beyond = positive & (halley > newton)
+        newton = torch.where(beyond, torch.maximum(newton, torch.minimum(halley, upper)), newton)
+    return torch.clamp_min(newton, 1.0)
 
 
 def _forward_chunk(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, order: float,
