@@ -2,7 +2,9 @@
 
 ``python -m benchmarks.profile CASE N [--mode fwd|fwd+bwd] [--provider ours] [--calls 3]`` builds the
 case's inputs as the runner does, warms up, profiles ``--calls`` calls and prints the kernels sorted by
-total GPU time (per-call milliseconds and share), so a NOTES.md can say which kernel bounds a shape.
+total GPU time (per-call milliseconds and share), so a NOTES.md can say which kernel bounds a shape. The first line
+also gives the median time between CUDA events around a call: below the GPU time's sum where kernels overlap
+(dependent launches, side streams), above it by the gaps between kernels.
 
 ``--host``: instead, where the host's time goes: the wall time to enqueue ``--calls`` calls without waiting for
 the GPU (a call whose enqueue time exceeds its GPU time is host-bound) and the CPU operators sorted by self time.
@@ -22,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from . import registry
 from .run import make_call, make_inputs
+from .timing import summarize, times_ms
 
 
 def warm_call(case_name: str, n: int, mode: str, provider: str):
@@ -51,10 +54,14 @@ def profiled(call, calls: int, activity, time_of) -> list[tuple[str, float, int]
     return sorted(rows, key=lambda r: -r[1])
 
 
-def kernel_table(case_name: str, n: int, mode: str, provider: str, calls: int) -> list[tuple[str, float, int]]:
+def kernel_rows(call, calls: int) -> list[tuple[str, float, int]]:
     """[(kernel name, GPU ms per call, launches per call)] sorted by time, for ``calls`` profiled calls."""
-    return profiled(warm_call(case_name, n, mode, provider), calls, ProfilerActivity.CUDA,
-                    lambda e: e.device_time_total)
+    return profiled(call, calls, ProfilerActivity.CUDA, lambda e: e.device_time_total)
+
+
+def kernel_table(case_name: str, n: int, mode: str, provider: str, calls: int) -> list[tuple[str, float, int]]:
+    """kernel_rows of a case's warm call."""
+    return kernel_rows(warm_call(case_name, n, mode, provider), calls)
 
 
 def host_table(case_name: str, n: int, mode: str, provider: str, calls: int):
@@ -95,9 +102,12 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
         return 0
-    rows = kernel_table(args.case, args.n, args.mode, args.provider, args.calls)
+    call = warm_call(args.case, args.n, args.mode, args.provider)
+    wall = summarize(times_ms(call, 0, max(args.calls, 5), torch.device("cuda")))[0]
+    rows = kernel_rows(call, args.calls)
     total = sum(r[1] for r in rows)
-    print(f"{args.case} N={args.n} {args.mode} {args.provider}: {total:.3f} ms of GPU time per call")
+    print(f"{args.case} N={args.n} {args.mode} {args.provider}: {total:.3f} ms of GPU time per call, "
+          f"{wall:.3f} ms between CUDA events (median; kernels that overlap count once)")
     for name, ms, count in rows[:args.top]:
         print(f"  {ms:9.3f} ms {100 * ms / total:5.1f}%  x{count:<4d} {name[:110]}")
     return 0
