@@ -7,7 +7,8 @@
 #
 # Environment: BASE (commits, space-separated; required), CASES (CASE:N:MODE words; required), ROUNDS (default 2),
 # RUN_TIMEOUT_S (one profile run, default 90), BUILD_TIMEOUT_S (default 300), PHASES (default "build profile": e.g.
-# PHASES=build, the GPU tests on the working tree, then PHASES=profile). Builds: $OUT/build-<name>.log.
+# PHASES=build, the GPU tests on the working tree, then PHASES=profile). Builds: $OUT/build-<name>.log. Runs import
+# each tree without an install: the folders that setup.py maps into the package are linked there for the runs.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 ROOT=$PWD
@@ -29,6 +30,16 @@ build() {  # tree name
 }
 trees=("$ROOT") names=(work)
 for c in $BASE; do trees+=("/tmp/ab-$c") names+=("$c"); done
+LINKED=()
+trap 'rm -f "${LINKED[@]}"' EXIT
+link_subpackages() {  # tree: setup.py maps these folders into the package; without an install, links do
+    local d
+    for d in integrations model_tests finetune; do
+        if [[ -d "$1/$d" && ! -e "$1/hf_attention_backends/$d" ]]; then
+            ln -s "../$d" "$1/hf_attention_backends/$d" && LINKED+=("$1/hf_attention_backends/$d")
+        fi
+    done
+}
 if [[ $PHASES == *build* ]]; then
     for c in $BASE; do
         rm -rf "/tmp/ab-$c" && mkdir -p "/tmp/ab-$c" && git archive "$c" | tar -x -C "/tmp/ab-$c" \
@@ -39,6 +50,7 @@ if [[ $PHASES == *build* ]]; then
     for n in "${names[@]}"; do echo "build $n: $(tail -n 1 "$OUT/build-$n.log")"; done
 fi
 [[ $PHASES == *profile* ]] || exit 0
+for t in "${trees[@]}"; do link_subpackages "$t"; done
 for r in $(seq "$ROUNDS"); do
     for spec in $CASES; do
         IFS=: read -r case n mode <<<"$spec"
