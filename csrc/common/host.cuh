@@ -8,7 +8,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -225,32 +225,6 @@ class SideStream {
 inline bool env_is(const char* name, const char* value) {
   const char* env = std::getenv(name);
   return env != nullptr && std::string(env) == value;
-}
-
-// Whether kernels go to `device` as programmatic dependents where a launcher asks for it (launch_kernel): sm_90+,
-// unless HFAB_DEPENDENT_LAUNCH=0 (read once per process: an A/B switch).
-inline bool dependent_launch_allowed(const c10::Device& device) {
-  static const bool enabled = !env_is("HFAB_DEPENDENT_LAUNCH", "0");
-  return enabled && compute_capability_major(device) >= 9;
-}
-
-// kernel<<<grid, threads, bytes, stream>>>(args...); dependent: as a programmatic dependent of the kernel before it in
-// the stream (where dependent_launch_allowed), i.e. it may start while that kernel's last blocks still run and must
-// call grid_dependency_wait (common/ptx.cuh) before it reads what that kernel writes.
-template <typename... Params, typename... Args>
-void launch_kernel(void (*kernel)(Params...), dim3 grid, int threads, int bytes, cudaStream_t stream, bool dependent,
-                   Args&&... args) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = static_cast<size_t>(bytes);
-  config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = dependent ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 }  // namespace hfab

@@ -1,7 +1,7 @@
 // The PTX instructions that the kernels use through inline assembly, in one place (the tests' CPU emulation,
 // tests/ops/emulation/common/ptx.cuh, gives the same functions for g++): tensor-core mma.sync, ldmatrix, cp.async,
-// the tf32 conversion, the approximate reciprocal and the dependent-launch controls. Fragment layouts: common/mma.cuh.
-// Pure CUDA (sm_80+ for all but rcp_approx and the dependent-launch controls, which are no-ops before sm_90).
+// the tf32 conversion and the approximate reciprocal. Fragment layouts: common/mma.cuh. Pure CUDA (sm_80+ for all
+// but rcp_approx).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,22 +16,6 @@ __device__ __forceinline__ float rcp_approx(float x) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
-}
-
-// Programmatic dependent launch (sm_90+; no-ops on older GPUs): a kernel that the host launched as a dependent
-// (hfab::launch_kernel with dependent = true) may start while the kernel before it in the stream still runs, so it
-// must call grid_dependency_wait() before it reads anything that kernel writes (the wait returns once that grid has
-// completed and its writes are visible). allow_dependent_launch(): the dependent kernel after this one may start once
-// every block of this grid has called it or exited.
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
 }
 
 namespace mma {

@@ -118,16 +118,17 @@ void dispatch(const at::Tensor& q, Fn&& fn) {
 }
 
 // Launch `kernel` with `threads` threads and `bytes` of dynamic shared memory, raising a clear error if the
-// GPU has too little; dependent: as a programmatic dependent of the kernel before it (launch_kernel).
+// GPU has too little.
 template <typename Kernel>
 void launch_bytes(const char* op, Kernel kernel, dim3 grid, int threads, int bytes, const Params& p,
-                  const c10::Device& device, cudaStream_t stream, bool dependent = false) {
+                  const c10::Device& device, cudaStream_t stream) {
   const int limit = shared_memory_limit(device);
   TORCH_CHECK(bytes <= limit, op, " (CUDA kernel): P=", p.planes_per_table, ", L=", p.tables,
               " needs ", bytes, " bytes of shared memory per block, more than this GPU's ", limit,
               "; use fewer tables or planes");
   opt_in_shared_memory(reinterpret_cast<const void*>(kernel), bytes);
-  launch_kernel(kernel, grid, threads, bytes, stream, dependent && dependent_launch_allowed(device), p);
+  kernel<<<grid, threads, bytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Launch a CUDA-core kernel (kThreads threads) with `floats` of dynamic shared memory.
@@ -238,13 +239,12 @@ void tc_key_states(const char* op, Params& p, int group_chunks, at::Tensor& gsta
   launch_bytes(op, tc::race_group_state_fwd_kernel<T, D, HALF>, dim3(p.ngk, h, b), tc::kThreads,
                tc::Tiles<T, D>::key_states_bytes_for(p.planes_per_table), p, device, stream);
   const int elems = p.features * D + p.features;
-  launch_kernel(race_scan_fwd_kernel, dim3(div_up(elems, kThreads), h, b), kThreads, 0, stream,
-                dependent_launch_allowed(device), p.kstate, p.kz, p.ngk, p.features * D, p.features, p.hq,
-                static_cast<int>(p.causal ? kPrefix : kTotal));
+  race_scan_fwd_kernel<<<dim3(div_up(elems, kThreads), h, b), kThreads, 0, stream>>>(
+      p.kstate, p.kz, p.ngk, p.features * D, p.features, p.hq, p.causal ? kPrefix : kTotal);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Tensor-core forward: group states, their exclusive prefix (slot ngk: total), then out; the scan and the per-warp out
-// kernels as dependent launches (on sm_90+ each starts while the kernel before it finishes, and waits for its data).
+// Tensor-core forward: group states, their exclusive prefix (slot ngk: total), then out.
 template <typename T, int D>
 void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, const at::TensorOptions& f32,
                 int64_t batch, const c10::Device& device, cudaStream_t stream) {
@@ -254,7 +254,7 @@ void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, c
   const int warp_bytes = tc::Tiles<T, D>::causal_warp_bytes_for(p.planes_per_table);
   if (p.causal && warp_causal_out(device, warp_bytes))
     launch_bytes(op, tc::race_causal_out_fwd_kernel<T, D>, dim3(blocks, h, b), tc::kThreads, warp_bytes, p, device,
-                 stream, true);
+                 stream);
   else if (p.causal && causal_prefetch(device, tc::Tiles<T, D>::causal_out_bytes))
     launch_bytes(op, tc::race_group_out_fwd_kernel<T, D>, dim3(blocks, h, b), tc::kThreads,
                  tc::Tiles<T, D>::causal_out_bytes, p, device, stream);
@@ -263,7 +263,7 @@ void tc_forward(const char* op, Params& p, at::Tensor& gstate, at::Tensor& gz, c
                  tc::Tiles<T, D>::bytes, p, device, stream);
   else  // no key tiles: packed, fewer bytes per block
     launch_bytes(op, tc::race_query_out_fwd_kernel<T, D>, dim3(blocks, h, b), tc::kThreads,
-                 tc::Tiles<T, D>::query_out_bytes, p, device, stream, true);
+                 tc::Tiles<T, D>::query_out_bytes, p, device, stream);
 }
 
 // Forward states: per key chunk phi(k)^T v and sum phi(k), then their exclusive prefix sums (slot nkc: total).

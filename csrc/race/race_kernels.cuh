@@ -29,7 +29,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "common/ptx.cuh"
 #include "common/strides.cuh"
 
 namespace hfab {
@@ -330,13 +329,10 @@ __global__ void __launch_bounds__(kThreads, 1) race_state_fwd_kernel(const Param
 // Over slots [0, n] of every (b, h) (elements: S*D of `state`, then S of `z`), in place, by `mode`:
 // kPrefix: slot k <- sum of input slots < k (slot n: the total); kSuffix: slot m + 1 <- sum of input slots > m for
 // m = -1 .. n - 1 (slot 0: the total); kTotal: slot n <- the sum of input slots < n, the others unchanged (the
-// non-causal forward reads the total only). The same order of additions in every mode. May be launched as a dependent
-// of the kernel that writes the slots (it waits for it before reading them).
+// non-causal forward reads the total only). The same order of additions in every mode.
 enum ScanMode : int { kPrefix = 0, kSuffix = 1, kTotal = 2 };
 static __global__ void __launch_bounds__(kThreads) race_scan_fwd_kernel(float* state, float* z, int n, int sd, int features,
                                                                  int hq, int mode) {
-  allow_dependent_launch();
-  grid_dependency_wait();
   const int e = blockIdx.x * kThreads + threadIdx.x;
   if (e >= sd + features) return;
   const long long bh = (long long)blockIdx.z * hq + blockIdx.y;

@@ -776,7 +776,6 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? (HALF ? 4 : 3) : 2) race_g
   const int first = grp * p.gchunks, end = min(p.nkc, first + p.gchunks), lane = threadIdx.x % 32, w = threadIdx.x / 32;
   const int r0 = 16 * w;
   const auto key0 = [&p](int kappa) { return p.s0 + kappa * kC; };
-  allow_dependent_launch();  // the group scan's blocks may start once this grid's last blocks run
   unsigned flags = warp_flags(lane_key_ok(p, b, key0(first) + r0));  // the warp's rows of chunk kappa
   warp_key_rows_async<T, D>(hd.k, p.sk.n, key0(first), flags, s.x);
   warp_key_rows_async<T, D>(hd.v, p.sv.n, key0(first), flags, s.xv);
@@ -1153,8 +1152,7 @@ __device__ __forceinline__ void warp_query_rows_async(const Params& p, const Hea
 // Non-causal: per (group of kGroup query tiles, q head, batch), out from the total key state. After the state is
 // staged each warp walks its 16 rows of every tile on its own, with no block barrier: its x rows by cp.async (those
 // of the next tile once these are projected), the projection and sigma tables, phi(q) in fp16 into its rows of phq,
-// then [num, den] = phi(q) [A, z] (state_apply_fp16) and out = num / den in 16-byte row stores. May be launched as a
-// dependent of the group scan: its first rows load and its constants are set before it waits for the total state.
+// then [num, den] = phi(q) [A, z] (state_apply_fp16) and out = num / den in 16-byte row stores.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1) race_query_out_fwd_kernel(const Params p) {
   extern __shared__ __align__(16) char smem_raw[];
@@ -1165,7 +1163,6 @@ __global__ void __launch_bounds__(kThreads, 1) race_query_out_fwd_kernel(const P
   const int first = grp * kGroup, end = min(p.nqt, first + kGroup);
   warp_query_rows_async<T, D>(p, hd, first, s);
   init_constants<T, D>(p, s);
-  grid_dependency_wait();
   stage_state_fp16<T, D>(p, hd.bh, s);
   for (int m = first; m < end; ++m) {
     mma::cp_async_wait_all();
@@ -1412,7 +1409,6 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 1) race_causal_out_fwd
   queries(first);
   warp_key_rows_async<T, D>(hd.v, p.sv.n, key0(first), flags, s.xv);
   init_constants<T, D, __half>(p, s);
-  grid_dependency_wait();  // the group prefix (a dependent launch after the scan)
   float st[D / 8 + 1][4];
   load_warp_state<D>(p, hd.bh, grp, st);
   int e_s = 0;  // st[n < D / 8] holds the state's v columns times 2^-e_s

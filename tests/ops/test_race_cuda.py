@@ -279,28 +279,6 @@ def test_block_wide_causal_prefetch_is_bitwise_the_load_when_needed(tmp_path):
             assert not torch.equal(b, c), f"case {case}: HFAB_RACE_WARP_CAUSAL=0 gave the per-warp kernel's output"
 
 
-def dependent_launch_cases():
-    """prefetch_cases' forward outputs, then long inputs (the group-state kernel runs for many waves, so a dependent
-    kernel that read the states before its wait would read them unfinished), forward and backward."""
-    results = prefetch_cases()
-    for causal in (False, True):
-        q, k, v = make_inputs(2, 8, 4, 65536, 65536, 64, dtype=torch.bfloat16, seed=11)
-        dout = torch.randn(q.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(12)).to(q.dtype)
-        planes, beta = make_planes(4, 4, 64, seed=3), per_head_beta(8, 64)
-        results.append(torch.ops.hfab.race_fwd(q, k, v, planes, beta, None, causal).cpu())
-        results.extend(g.cpu() for g in torch.ops.hfab.race_bwd(dout, q, k, v, planes, beta, None, causal))
-    return results
-
-
-def test_dependent_launches_are_bitwise_the_serial_ones(tmp_path):
-    """On sm_90+ the forward's scan and out kernels start as programmatic dependents of the kernel before them and
-    wait for its data; HFAB_DEPENDENT_LAUNCH=0 (read once per process, hence a subprocess) launches every kernel after
-    the previous one has finished: the same outputs and gradients, bit for bit."""
-    serial = cases_in_subprocess("test_race_cuda", "dependent_launch_cases", {"HFAB_DEPENDENT_LAUNCH": "0"}, tmp_path)
-    for case, (a, b) in enumerate(zip(serial, dependent_launch_cases())):
-        assert torch.equal(a, b), f"case {case}: HFAB_DEPENDENT_LAUNCH=0 and the default differ"
-
-
 def test_block_wide_causal_out_kernel_meets_the_same_bounds():
     """HFAB_RACE_WARP_CAUSAL=0 (a subprocess: read once per process): the causal tests of the forward over head dims,
     lengths, GQA and padding, on the block-wide causal out kernel."""

@@ -13,10 +13,6 @@ namespace hfab {
 
 inline float rcp_approx(float x) { return 1.0f / x; }
 
-// Programmatic dependent launch: the emulator runs one kernel at a time, so there is nothing to wait for.
-inline void grid_dependency_wait() {}
-inline void allow_dependent_launch() {}
-
 namespace mma {
 namespace emulated {
 
