@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
 }
 
 template <int D> struct DqCfg {
-  static constexpr int BQ = 64, BK = 32;
+  static constexpr int BQ = 64, BK = 64, KS = 32;  // key tiles of BK (one barrier each), in sub-tiles of KS keys
   static constexpr int kMinBlocks = D == 128 ? 1 : 3;  // caps registers at 168 for D <= 64 (3 blocks per SM)
   struct Smem {
     union {
@@ -443,7 +443,7 @@ template <int D> struct DqCfg {
 template <typename T, int D, int IORD>
 __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_kernel(const Params p) {
   using Cfg = DqCfg<D>;
-  constexpr int BQ = Cfg::BQ, BK = Cfg::BK, NT = BK / 8;
+  constexpr int BQ = Cfg::BQ, BK = Cfg::BK, KS = Cfg::KS, NT = KS / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = 2 * (lane % 4);
@@ -463,15 +463,16 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
   uint32_t qf[D / 16][4], df[D / 16][4];
   a_frags(qf, sm.u.qd.q, 16 * warp, lane);
   a_frags(df, sm.u.qd.dout, 16 * warp, lane);
-  float m[2], lam[2];
+  float lam_m[2];  // lam + m: y = (lam + m) - s scale, the forward's y to the bit
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = r0 + g + 8 * r;
-    m[r] = i < p.nq ? p.rowmax[row_base + i] : 0.f;
-    lam[r] = i < p.nq ? p.lam[row_base + i] : 1.f;
+    const float m = i < p.nq ? p.rowmax[row_base + i] : 0.f, lam = i < p.nq ? p.lam[row_base + i] : 1.f;
+    lam_m[r] = lam - (-m);
   }
+  const float neg_scale = -p.scale;
 
-  const int tiles = (key_end(p, q0, BQ) + BK - 1) / BK;
+  const int tiles = (key_end(p, q0, BQ) + BK - 1) / BK, warp_keys = key_end(p, r0, 16);
   auto issue = [&](int tile) {
     const int buf = tile & 1, k0 = tile * BK;
     load_rows_async(sm.u.kv[buf].k, k, p.sk.n, k0, p.nk);
@@ -487,23 +488,28 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
       mma::cp_async_wait_all();
       __syncthreads();  // tile `tile` has landed for every thread; tile - 1's readers are done
       if (tile + 1 < tiles) issue(tile + 1);
-      float s[NT][4], dp[NT][4];
-      mma_abt<NT, BK, D, T>(s, qf, sm.u.kv[buf].k, lane);
-      mma_abt<NT, BK, D, T>(dp, df, sm.u.kv[buf].v, lane);
-      if (!all_allowed(p, r0, 16, tile * BK, BK))  // warp-uniform: interior tiles skip the mask
-        mask_raw(s, p, sm.kbias[buf], r0, tile * BK, lane);
-      body(s, dp, buf);
+#pragma unroll
+      for (int koff = 0; koff < BK; koff += KS) {
+        const int k0 = tile * BK + koff;
+        if (k0 >= warp_keys) break;  // warp-uniform: past the warp's last visible key (causal), every pair is masked
+        float s[NT][4], dp[NT][4];
+        mma_abt<NT, BK, D, T>(s, qf, sm.u.kv[buf].k, lane, koff);
+        mma_abt<NT, BK, D, T>(dp, df, sm.u.kv[buf].v, lane, koff);
+        if (!all_allowed(p, r0, 16, k0, KS))  // warp-uniform: interior sub-tiles skip the mask
+          mask_raw(s, p, sm.kbias[buf] + koff, r0, k0, lane);
+        body(s, dp, buf, koff);
+      }
     }
   };
 
   float sr[2] = {0.f, 0.f}, sdr[2] = {0.f, 0.f}, sp[2] = {0.f, 0.f};
-  sweep([&](float (&s)[NT][4], float (&dp)[NT][4], int) {
+  sweep([&](float (&s)[NT][4], float (&dp)[NT][4], int, int) {
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float pp, rr;
-        powers<IORD>(lam[e / 2] - fmaf(s[j][e], p.scale, -m[e / 2]), order, pp, rr);
+        powers<IORD>(fmaf(s[j][e], neg_scale, lam_m[e / 2]), order, pp, rr);
         sr[e / 2] += rr;
         sdr[e / 2] = fmaf(dp[j][e], rr, sdr[e / 2]);
         sp[e / 2] += pp;
@@ -526,16 +532,16 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
   float dq[D / 8][4];
 #pragma unroll
   for (int t = 0; t < D / 8; ++t) dq[t][0] = dq[t][1] = dq[t][2] = dq[t][3] = 0.f;
-  sweep([&](float (&s)[NT][4], float (&dp)[NT][4], int buf) {
+  sweep([&](float (&s)[NT][4], float (&dp)[NT][4], int buf, int koff) {
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float pp, rr;
-        powers<IORD>(lam[e / 2] - fmaf(s[j][e], p.scale, -m[e / 2]), order, pp, rr);
+        powers<IORD>(fmaf(s[j][e], neg_scale, lam_m[e / 2]), order, pp, rr);
         s[j][e] = order * rr * (dp[j][e] - delta[e / 2]);
       }
-    mma_xb<NT, BK, D, T>(dq, s, sm.u.kv[buf].k, lane);
+    mma_xb<NT, BK, D, T>(dq, s, sm.u.kv[buf].k, lane, koff);
   });
 
 #pragma unroll
@@ -556,7 +562,7 @@ template <int D> struct DkvCfg {
   struct Smem {  // query tiles and their row state double-buffered (cp.async prefetch of the next tile)
     HTile<BK, D> k, v;
     HTile<BQ, D> q[2], dout[2];
-    float m[2][BQ], lam[2][BQ], inv_l[2][BQ], delta[2][BQ];
+    float4 rows[2][BQ];  // per query row: lam + m (the forward's y = (lam + m) - s scale), 1 / sum P, delta, 0
   };
 };
 
@@ -597,11 +603,9 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
     for (int cq = threadIdx.x; cq < BQ; cq += kThreads) {
       const int i = q0 + cq;
       const bool in = i < p.nq;
-      sm.m[buf][cq] = in ? p.rowmax[row_base + i] : 0.f;
-      sm.lam[buf][cq] = in ? p.lam[row_base + i] : 1.f;
+      const float m = in ? p.rowmax[row_base + i] : 0.f, lam = in ? p.lam[row_base + i] : 1.f;
       const float l = in ? p.lsum[row_base + i] : 0.f;
-      sm.inv_l[buf][cq] = l > 0.f ? 1.f / l : 0.f;
-      sm.delta[buf][cq] = in ? p.delta[row_base + i] : 0.f;
+      sm.rows[buf][cq] = make_float4(lam - (-m), l > 0.f ? 1.f / l : 0.f, in ? p.delta[row_base + i] : 0.f, 0.f);
     }
   };
   if (tiles > 0) issue(0);
@@ -610,26 +614,34 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
     mma::cp_async_wait_all();
     __syncthreads();  // tile `tile` (and k, v) visible to every thread; tile - 1's readers are done
     if (tile + 1 < tiles) issue(tile + 1);  // overwrites the buffers tile - 1 used
-    const float* m = sm.m[buf];
-    const float* lam = sm.lam[buf];
-    const float* inv_l = sm.inv_l[buf];
-    const float* delta = sm.delta[buf];
     float s[NT][4], dp[NT][4];  // rows: keys; columns: queries q0 + [0, BQ)
     mma_abt_smem<NT, BK, BQ, D, T>(s, sm.k, kr0, sm.q[buf], lane);
     mma_abt_smem<NT, BK, BQ, D, T>(dp, sm.v, kr0, sm.dout[buf], lane);
-    const bool interior = all_allowed(p, q0, BQ, k0 + kr0, 16);  // warp-uniform
+    // P / l and dS for the warp's 16 keys x the tile's queries; y(j, e) = (lam + m) - s scale as in the forward, +inf
+    // where the pair is masked (P = r = 0)
+    const auto grads = [&](auto y_of) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int cq = 8 * j + c + (e % 2), i = q0 + cq;
-        const bool ok = interior || (i < p.nq && (!p.causal || key[e / 2] <= i + off));
-        const float x = ok ? s[j][e] * p.scale + kbias[e / 2] - m[cq] : -inf();
-        float pp, rr;
-        powers<IORD>(lam[cq] - x, order, pp, rr);
-        s[j][e] = pp * inv_l[cq];
-        dp[j][e] = order * rr * (dp[j][e] - delta[cq]);
-      }
+        for (int h = 0; h < 2; ++h) {
+          const float4 row = sm.rows[buf][8 * j + c + h];  // query q0 + 8 j + c + h: elements e = h, h + 2
+#pragma unroll
+          for (int e = h; e < 4; e += 2) {
+            float pp, rr;
+            powers<IORD>(y_of(j, e, row.x), order, pp, rr);
+            s[j][e] = pp * row.y;
+            dp[j][e] = order * rr * (dp[j][e] - row.z);
+          }
+        }
+    };
+    if (all_allowed(p, q0, BQ, k0 + kr0, 16))  // warp-uniform: no mask, no key bias (interior tiles)
+      grads([&](int j, int e, float lam_m) { return fmaf(s[j][e], -p.scale, lam_m); });
+    else
+      grads([&](int j, int e, float lam_m) {
+        const int i = q0 + 8 * j + c + (e % 2);
+        const bool ok = i < p.nq && (!p.causal || key[e / 2] <= i + off);
+        return ok ? fmaf(s[j][e], -p.scale, lam_m) - kbias[e / 2] : inf();
+      });
     mma_xb<NT, BQ, D, T>(dv, s, sm.dout[buf], lane);
     mma_xb<NT, BQ, D, T>(dk, dp, sm.q[buf], lane);
   }
