@@ -43,7 +43,8 @@ link_subpackages() {  # tree: setup.py maps these folders into the package; with
 if [[ $PHASES == *build* ]]; then
     for c in $BASE; do
         rm -rf "/tmp/ab-$c" && mkdir -p "/tmp/ab-$c" && git archive "$c" | tar -x -C "/tmp/ab-$c" \
-            || { rm -rf "/tmp/ab-$c"; echo "ab_profile: no commit $c"; exit 2; }
+            || { rm -rf "/tmp/ab-$c"; echo "ab_profile: no commit $c in this copy's .git (a GPU machine's copy may" \
+                 "lack the latest commits: name an older one with the same kernels)"; exit 2; }
     done
     for i in "${!trees[@]}"; do build "${trees[$i]}" "${names[$i]}" & done
     wait
