@@ -9,6 +9,8 @@
 # RUN_TIMEOUT_S (one profile run, default 90), BUILD_TIMEOUT_S (default 300), PHASES (default "build profile": e.g.
 # PHASES=build, the GPU tests on the working tree, then PHASES=profile). Builds: $OUT/build-<name>.log. Runs import
 # each tree without an install: the folders that setup.py maps into the package are linked there for the runs.
+# Then $OUT/ab.csv (python -m benchmarks.ab_csv): the working tree named HFAB_GIT_SHA (default: git HEAD here; pass
+# the sending machine's HEAD, which a GPU machine's copy of .git may not have).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 ROOT=$PWD
@@ -67,3 +69,4 @@ for r in $(seq "$ROUNDS"); do
     done
 done
 grep "^==\|ms of GPU time" "$OUT/ab.txt"
+PYTHONPATH=$ROOT "$PY" -m benchmarks.ab_csv "$OUT/ab.txt" --sha "work=${HFAB_GIT_SHA:-$(git rev-parse --short HEAD)}"
