@@ -18,7 +18,7 @@ bisection) after 0..max_steps steps of
         output error of the default steps from Jensen's start and from start_lambda, of one step more, and of the
         library's adaptive default
     python -m benchmarks.stieltjes_solver --extra-steps   # Gaussian rows like the benchmarks' (q, k standard normal
-        times scale, N 4,096 and 16,384): how many rows, and 64-row query blocks, the adaptive default sends to an
+        times scale, N 2,048 to 16,384): how many rows, and 64-row query blocks, the adaptive default sends to an
         extra step (each such block is one more sweep of the forward kernel), and its worst output error
 """
 from __future__ import annotations
@@ -158,7 +158,7 @@ def extra_step_rows(x: torch.Tensor, order: float) -> tuple[torch.Tensor, torch.
     return lam, lam != solve_lambda(x, ok, order, steps)
 
 
-def extra_steps_study(orders=(4.0, 8.0), scales=(0.5, 1.0, 1.5, 2.0), sizes=(4096, 16384), rows: int = 512,
+def extra_steps_study(orders=(4.0, 8.0), scales=(0.5, 1.0, 1.5, 2.0), sizes=(2048, 4096, 16384), rows: int = 512,
                       dim: int = 64, block: int = 64) -> list[tuple]:
     """(order, scale, N, share of rows with an extra step, share of query blocks of ``block`` rows with one, worst
     relative output error of the adaptive default) on score_rows' Gaussian rows."""

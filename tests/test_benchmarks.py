@@ -669,8 +669,12 @@ def test_stieltjes_real_rows_study_on_smollm2(capsys):
     """The real-rows study on one short article: its q, k, v hooks reproduce the layer's output (checked inside), and
     on 128-token rows two Halley steps are far inside 1e-3 from either start (start_lambda's nearer), one step is
     not, and the library's default (one step, then extra ones where the error estimate asks) is."""
-    stieltjes_real_rows.main(["--tokens", "128", "--articles", "1", "--layers", "0", "--stride", "32", "--orders", "4"])
+    stieltjes_real_rows.main(["--tokens", "128", "--articles", "1", "--layers", "0", "--stride", "32", "--orders", "4",
+                              "--blocks"])
     out = capsys.readouterr().out
+    shares = next(line for line in out.splitlines() if line.startswith("order 4, the adaptive default:")).split()
+    rows, blocks = float(shares[5]), float(shares[10])
+    assert 0.0 <= rows <= blocks <= 1.0 and (rows == 0.0) == (blocks == 0.0)
     row = next(line for line in out.splitlines() if line.startswith("| all |"))
     cells = [cell.strip() for cell in row.strip("|").split("|")][1:]
     assert len(cells) == len(stieltjes_real_rows.SCHEME_NAMES)
@@ -682,6 +686,14 @@ def test_stieltjes_solver_steps_needed_grows_as_the_order_falls():
     low = stieltjes_solver.newton_steps_needed(1.5, 1e-4, scales=(5,), sizes=(333,), rows=8)
     high = stieltjes_solver.newton_steps_needed(4.0, 1e-4, scales=(5,), sizes=(333,), rows=8)
     assert low[1:] == (5, 333) and low[0] >= 4 and high[0] < low[0]  # order 1.5's heavy tail: slow from the start
+
+
+def test_stieltjes_extra_steps_study_sends_only_hard_rows_to_another_sweep():
+    """Gaussian rows at order 4, N 4,096: at scale 1 (the benchmarks' inputs) no row takes an extra step, at scale 2
+    many do; the adaptive default stays within 1e-3 of the exact-root output in both."""
+    easy, hard = stieltjes_solver.extra_steps_study(orders=(4.0,), scales=(1.0, 2.0), sizes=(4096,), rows=128)
+    assert easy[:3] == (4.0, 1.0, 4096) and easy[3] == easy[4] == 0.0
+    assert 0.1 < hard[3] <= hard[4] == 1.0 and max(easy[5], hard[5]) < 1e-3
 
 
 def test_stieltjes_solver_bimodal_study():
