@@ -154,7 +154,7 @@ __device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const uint32_t (&a)
 // The same with A rows [r0, r0 + 16) of a shared tile (fragments by ldmatrix.x4 per 16-column chunk).
 template <int NT, int RA, int ROWS, int D, typename T>
 __device__ __forceinline__ void mma_abt_smem(float (&acc)[NT][4], const HTile<RA, D>& ta, int r0,
-                                             const HTile<ROWS, D>& t, int lane) {
+                                             const HTile<ROWS, D>& t, int lane, int t_row0 = 0) {
   static_assert(NT % 2 == 0 && 8 * NT <= ROWS, "tile shapes");
   // A matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
   const int arow = r0 + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
@@ -168,7 +168,7 @@ __device__ __forceinline__ void mma_abt_smem(float (&acc)[NT][4], const HTile<RA
 #pragma unroll
     for (int jj = 0; jj < NT / 2; ++jj) {
       uint32_t bf[4];
-      mma::ldsm_x4(bf, &t.h[16 * jj + brow][16 * kc + bcol]);
+      mma::ldsm_x4(bf, &t.h[t_row0 + 16 * jj + brow][16 * kc + bcol]);
       mma16816<T>(acc[2 * jj], a, bf[0], bf[1]);
       mma16816<T>(acc[2 * jj + 1], a, bf[2], bf[3]);
     }
@@ -557,7 +557,8 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
 }
 
 template <int D> struct DkvCfg {
-  static constexpr int BK = 64, BQ = D == 128 ? 16 : 32;
+  // query tiles of BQ (one barrier each), computed in sub-tiles of QS queries
+  static constexpr int BK = 64, BQ = D == 128 ? 16 : 64, QS = D == 128 ? 16 : 32;
   static constexpr int kMinBlocks = D == 128 ? 1 : 3;  // caps registers at 168 for D <= 64 (3 blocks per SM)
   struct Smem {  // query tiles and their row state double-buffered (cp.async prefetch of the next tile)
     HTile<BK, D> k, v;
@@ -569,7 +570,7 @@ template <int D> struct DkvCfg {
 template <typename T, int D, int IORD>
 __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv_kernel(const Params p) {
   using Cfg = DkvCfg<D>;
-  constexpr int BK = Cfg::BK, BQ = Cfg::BQ, NT = BQ / 8;
+  constexpr int BK = Cfg::BK, BQ = Cfg::BQ, QS = Cfg::QS, NT = QS / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = 2 * (lane % 4);
@@ -614,36 +615,42 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
     mma::cp_async_wait_all();
     __syncthreads();  // tile `tile` (and k, v) visible to every thread; tile - 1's readers are done
     if (tile + 1 < tiles) issue(tile + 1);  // overwrites the buffers tile - 1 used
-    float s[NT][4], dp[NT][4];  // rows: keys; columns: queries q0 + [0, BQ)
-    mma_abt_smem<NT, BK, BQ, D, T>(s, sm.k, kr0, sm.q[buf], lane);
-    mma_abt_smem<NT, BK, BQ, D, T>(dp, sm.v, kr0, sm.dout[buf], lane);
-    // P / l and dS for the warp's 16 keys x the tile's queries; y(j, e) = (lam + m) - s scale as in the forward, +inf
-    // where the pair is masked (P = r = 0)
-    const auto grads = [&](auto y_of) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
+    for (int qoff = 0; qoff < BQ; qoff += QS) {
+      const int qs0 = q0 + qoff;
+      if (qs0 >= p.nq) break;  // warp-uniform: past the queries
+      if (p.causal && qs0 + QS - 1 + off < k0 + kr0) continue;  // warp-uniform: no query of the sub-tile sees a key
+      float s[NT][4], dp[NT][4];  // rows: keys; columns: queries qs0 + [0, QS)
+      mma_abt_smem<NT, BK, BQ, D, T>(s, sm.k, kr0, sm.q[buf], lane, qoff);
+      mma_abt_smem<NT, BK, BQ, D, T>(dp, sm.v, kr0, sm.dout[buf], lane, qoff);
+      // P / l and dS for the warp's 16 keys x the sub-tile's queries; y(j, e) = (lam + m) - s scale as in the
+      // forward, +inf where the pair is masked (P = r = 0)
+      const auto grads = [&](auto y_of) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float4 row = sm.rows[buf][8 * j + c + h];  // query q0 + 8 j + c + h: elements e = h, h + 2
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int e = h; e < 4; e += 2) {
-            float pp, rr;
-            powers<IORD>(y_of(j, e, row.x), order, pp, rr);
-            s[j][e] = pp * row.y;
-            dp[j][e] = order * rr * (dp[j][e] - row.z);
+          for (int h = 0; h < 2; ++h) {
+            const float4 row = sm.rows[buf][qoff + 8 * j + c + h];  // query qs0 + 8 j + c + h: elements h, h + 2
+#pragma unroll
+            for (int e = h; e < 4; e += 2) {
+              float pp, rr;
+              powers<IORD>(y_of(j, e, row.x), order, pp, rr);
+              s[j][e] = pp * row.y;
+              dp[j][e] = order * rr * (dp[j][e] - row.z);
+            }
           }
-        }
-    };
-    if (all_allowed(p, q0, BQ, k0 + kr0, 16))  // warp-uniform: no mask, no key bias (interior tiles)
-      grads([&](int j, int e, float lam_m) { return fmaf(s[j][e], -p.scale, lam_m); });
-    else
-      grads([&](int j, int e, float lam_m) {
-        const int i = q0 + 8 * j + c + (e % 2);
-        const bool ok = i < p.nq && (!p.causal || key[e / 2] <= i + off);
-        return ok ? fmaf(s[j][e], -p.scale, lam_m) - kbias[e / 2] : inf();
-      });
-    mma_xb<NT, BQ, D, T>(dv, s, sm.dout[buf], lane);
-    mma_xb<NT, BQ, D, T>(dk, dp, sm.q[buf], lane);
+      };
+      if (all_allowed(p, qs0, QS, k0 + kr0, 16))  // warp-uniform: no mask, no key bias (interior sub-tiles)
+        grads([&](int j, int e, float lam_m) { return fmaf(s[j][e], -p.scale, lam_m); });
+      else
+        grads([&](int j, int e, float lam_m) {
+          const int i = qs0 + 8 * j + c + (e % 2);
+          const bool ok = i < p.nq && (!p.causal || key[e / 2] <= i + off);
+          return ok ? fmaf(s[j][e], -p.scale, lam_m) - kbias[e / 2] : inf();
+        });
+      mma_xb<NT, BQ, D, T>(dv, s, sm.dout[buf], lane, qoff);
+      mma_xb<NT, BQ, D, T>(dk, dp, sm.q[buf], lane, qoff);
+    }
   }
 
 #pragma unroll
