@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
 }
 
 template <int D> struct DqCfg {
-  static constexpr int BQ = 64, BK = 64, KS = 32;  // key tiles of BK (one barrier each), in sub-tiles of KS keys
+  static constexpr int BQ = 64, BK = 128, KS = 32;  // key tiles of BK (one barrier each), in sub-tiles of KS keys
   static constexpr int kMinBlocks = D == 128 ? 1 : 3;  // caps registers at 168 for D <= 64 (3 blocks per SM)
   struct Smem {
     union {
