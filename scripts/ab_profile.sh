@@ -9,6 +9,8 @@
 # RUN_TIMEOUT_S (one profile run, default 90), BUILD_TIMEOUT_S (default 300), PHASES (default "build profile": e.g.
 # PHASES=build, the GPU tests on the working tree, then PHASES=profile). Builds: $OUT/build-<name>.log. Runs import
 # each tree without an install: the folders that setup.py maps into the package are linked there for the runs.
+# Then $OUT/ab.csv (python -m benchmarks.ab_csv): the working tree named HFAB_GIT_SHA (default: git HEAD here; pass
+# the sending machine's HEAD, which a GPU machine's copy of .git may not have).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 ROOT=$PWD
@@ -43,7 +45,8 @@ link_subpackages() {  # tree: setup.py maps these folders into the package; with
 if [[ $PHASES == *build* ]]; then
     for c in $BASE; do
         rm -rf "/tmp/ab-$c" && mkdir -p "/tmp/ab-$c" && git archive "$c" | tar -x -C "/tmp/ab-$c" \
-            || { rm -rf "/tmp/ab-$c"; echo "ab_profile: no commit $c"; exit 2; }
+            || { rm -rf "/tmp/ab-$c"; echo "ab_profile: no commit $c in this copy's .git (a GPU machine's copy may" \
+                 "lack the latest commits: name an older one with the same kernels)"; exit 2; }
     done
     for i in "${!trees[@]}"; do build "${trees[$i]}" "${names[$i]}" & done
     wait
@@ -66,3 +69,4 @@ for r in $(seq "$ROUNDS"); do
     done
 done
 grep "^==\|ms of GPU time" "$OUT/ab.txt"
+PYTHONPATH=$ROOT "$PY" -m benchmarks.ab_csv "$OUT/ab.txt" --sha "work=${HFAB_GIT_SHA:-$(git rev-parse --short HEAD)}"

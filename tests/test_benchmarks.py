@@ -1,6 +1,7 @@
 """The benchmark harness on the CPU: the runner end to end on tiny shapes for every backend (CSV
 columns, rows, plot), the skip/OOM/error/budget rules with probe providers, timing statistics,
 the ptxas report and scripts/gpu_check.sh in its CPU mode."""
+import csv
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import hf_attention_backends  # noqa: F401  (imported at collection, not inside the first test's timing)
-from benchmarks import (ptxas_report, registry, report, run, sass_report, stieltjes_fused_start, stieltjes_real_rows,
+from benchmarks import (ab_csv, ptxas_report, registry, report, run, sass_report, stieltjes_fused_start, stieltjes_real_rows,
                         stieltjes_solver, timing)
 from benchmarks.registry import Case, Provider
 from hf_attention_backends.ops.stieltjes.reference import solve_lambda
@@ -446,6 +447,46 @@ def test_ab_profile_rejects_an_unknown_commit(tmp_path):
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "ab_profile.sh")], env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "ab_profile: no commit no-such-commit" in proc.stdout
+
+
+AB_TXT = """== round 1, tree work: stieltjes 4096 fwd+bwd
+extension /x/_C.so
+stieltjes N=4096 fwd+bwd ours: 4.617 ms of GPU time per call, 4.621 ms between CUDA events (median; ...)
+      1.725 ms  37.4%  x1    void hfab::stieltjes::stieltjes_fwd_kernel<__nv_bfloat16, 64, 4>(hfab::stieltjes::Params)
+      2.892 ms  62.6%  x2    void hfab::stieltjes::stieltjes_dq_kernel<__half, 32, 2>(hfab::stieltjes::Params)
+== round 1, tree 22807bc: stieltjes 4096 fwd+bwd
+Traceback (most recent call last):
+ImportError: no extension
+== round 2, tree 22807bc: race 65536 fwd
+race N=65536 fwd ours: 0.747 ms of GPU time per call
+      0.411 ms  55.0%  x1    race_scan_fwd_kernel
+"""
+
+
+def test_ab_csv_rows_of_an_ab_profile_run(tmp_path):
+    runs = ab_csv.parse(AB_TXT)  # the failed run (no total) is left out
+    assert [(r["round"], r["tree"], r["case"], r["n"], r["mode"], r["gpu_ms"], r["event_ms"]) for r in runs] == [
+        (1, "work", "stieltjes", 4096, "fwd+bwd", 4.617, 4.621), (2, "22807bc", "race", 65536, "fwd", 0.747, None)]
+    assert runs[0]["kernels"] == [("stieltjes_fwd_kernel<__nv_bfloat16, 64, 4>", 1.725),
+                                  ("stieltjes_dq_kernel<__half, 32, 2>", 2.892)]
+    src = tmp_path / "ab.txt"
+    src.write_text(AB_TXT)
+    assert ab_csv.main([str(src), "--sha", "work=abc1234", "--gpu", "G", "--torch", "2.0", "--cuda", "13.0",
+                        "--date", "2026-12-04"]) == 0
+    with open(tmp_path / "ab.csv") as f:
+        got = list(csv.DictReader(f))
+    assert [(r["git_sha"], r["case"], r["round"], r["gpu_ms_per_call"], r["event_ms_per_call"]) for r in got] == [
+        ("abc1234", "stieltjes", "1", "4.617", "4.621"), ("22807bc", "race", "2", "0.747", "")]
+    assert got[0]["gpu"] == "G" and got[0]["date"] == "2026-12-04" and got[1]["kernels"] == "race_scan_fwd_kernel=0.411"
+
+
+def test_ab_csv_rejects_bad_input(tmp_path, capsys):
+    src = tmp_path / "ab.txt"
+    src.write_text("== round 1, tree work: race 64 fwd\nTraceback\n")
+    assert ab_csv.main([str(src)]) == 1 and "no profiled run" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab_csv.main([str(src), "--sha", "eeca75f"])
+    assert "expected NAME=SHA" in capsys.readouterr().err
 
 
 @pytest.mark.slow
