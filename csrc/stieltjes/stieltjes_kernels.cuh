@@ -223,8 +223,9 @@ __device__ __forceinline__ bool all_allowed(const Params& p, int q0, int rows, i
 }
 
 // Raw scores (q.k, unscaled) of rows r0 + g, r0 + g + 8 x keys k0 + [0, 8 NT) in the mma accumulator layout:
-// -inf where the pair is not allowed (kbias: the key tile's 0 / -inf bias). With scale > 0, scale s - rowmax
-// stays -inf there, so lambda - x is +inf and y^(-order) is 0: no other per-element mask work.
+// -inf where the pair is not allowed (kbias: the key tile's 0 / -inf bias, or nullptr where every key of the tile is
+// real: tile_needs_bias). With scale > 0, scale s - rowmax stays -inf there, so lambda - x is +inf and y^(-order) is
+// 0: no other per-element mask work.
 template <int NT>
 __device__ __forceinline__ void mask_raw(float (&s)[NT][4], const Params& p, const float* kbias, int r0, int k0,
                                          int lane) {
@@ -235,8 +236,21 @@ __device__ __forceinline__ void mask_raw(float (&s)[NT][4], const Params& p, con
     for (int e = 0; e < 4; ++e) {
       const int i = r0 + g + 8 * (e / 2), col = 8 * j + c + (e % 2);
       const bool ok = i < p.nq && (!p.causal || k0 + col <= i + off);
-      s[j][e] = ok ? s[j][e] + kbias[col] : -inf();
+      s[j][e] = ok ? s[j][e] + (kbias != nullptr ? kbias[col] : 0.f) : -inf();
     }
+}
+
+// Whether key tile [k0, k0 + BK) holds a padding key or one past the keys, i.e. needs its load_bias (elsewhere every
+// bias is 0: the tile's is neither stored nor read).
+template <int BK> __device__ __forceinline__ bool tile_needs_bias(const Params& p, int k0) {
+  return p.kpm != nullptr || k0 + BK > p.nk;
+}
+
+// The key sub-tiles [k0, k0 + cols) with k0 + cols <= interior_end(p, r0, rows) are interior for rows
+// [r0, r0 + rows): all_allowed(p, r0, rows, k0, cols) for every k0 >= 0, in one compare per sub-tile.
+__device__ __forceinline__ int interior_end(const Params& p, int r0, int rows) {
+  if (p.kpm != nullptr || r0 + rows > p.nq) return 0;
+  return p.causal ? min(p.nk, r0 + p.nk - p.nq + 1) : p.nk;
 }
 
 template <int BK>
@@ -280,15 +294,17 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
   a_frags(qf, sm.u.q, 16 * warp, lane);
 
   const int tiles = (key_end(p, q0, BQ) + BK - 1) / BK, warp_keys = key_end(p, r0, 16);
+  const int warp_interior = interior_end(p, r0, 16);
   auto issue = [&](bool with_v, int tile) {
     const int buf = tile & 1, k0 = tile * BK;
     load_rows_async(sm.k[buf], k, p.sk.n, k0, p.nk);
     if (with_v) load_rows_async(sm.u.v[buf], v, p.sv.n, k0, p.nk);
-    load_bias<BK>(sm.kbias[buf], p, b, k0);
+    if (tile_needs_bias<BK>(p, k0)) load_bias<BK>(sm.kbias[buf], p, b, k0);
   };
   // body(s, buf, koff, all): s = raw q.k of this warp's 16 rows x keys koff + [0, KS) of the tile in buffer buf,
-  // -inf where not allowed; all: every pair of the warp's sub-tile is allowed. Sub-tiles past the warp's last
-  // visible key (causal) are skipped: all their pairs are masked.
+  // -inf where not allowed; all: every pair of the warp's sub-tile is allowed. The body is inlined on each path (the
+  // interior one without a join that would copy the masked path's scores into the same registers). Sub-tiles past
+  // the warp's last visible key (causal) are skipped: all their pairs are masked.
   auto sweep = [&](bool with_v, auto&& body) {
     if (tiles == 0) return;
     __syncthreads();  // readers of the previous sweep's buffers (and of q, aliased with v) are done
@@ -304,9 +320,12 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
         if (k0 >= warp_keys) break;  // warp-uniform
         float s[NT][4];
         mma_abt<NT, BK, D, T>(s, qf, sm.k[buf], lane, koff);
-        const bool all = all_allowed(p, r0, 16, k0, KS);  // warp-uniform: interior sub-tiles skip the mask
-        if (!all) mask_raw(s, p, sm.kbias[buf] + koff, r0, k0, lane);
-        body(s, buf, koff, all);
+        if (k0 + KS <= warp_interior) {  // warp-uniform: interior sub-tiles skip the mask
+          body(s, buf, koff, true);
+        } else {
+          mask_raw(s, p, tile_needs_bias<BK>(p, tile * BK) ? sm.kbias[buf] + koff : nullptr, r0, k0, lane);
+          body(s, buf, koff, false);
+        }
       }
     }
   };
@@ -473,11 +492,12 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
   const float neg_scale = -p.scale;
 
   const int tiles = (key_end(p, q0, BQ) + BK - 1) / BK, warp_keys = key_end(p, r0, 16);
+  const int warp_interior = interior_end(p, r0, 16);
   auto issue = [&](int tile) {
     const int buf = tile & 1, k0 = tile * BK;
     load_rows_async(sm.u.kv[buf].k, k, p.sk.n, k0, p.nk);
     load_rows_async(sm.u.kv[buf].v, v, p.sv.n, k0, p.nk);
-    load_bias<BK>(sm.kbias[buf], p, b, k0);
+    if (tile_needs_bias<BK>(p, k0)) load_bias<BK>(sm.kbias[buf], p, b, k0);
   };
   auto sweep = [&](auto&& body) {
     if (tiles == 0) return;
@@ -495,9 +515,12 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
         float s[NT][4], dp[NT][4];
         mma_abt<NT, BK, D, T>(s, qf, sm.u.kv[buf].k, lane, koff);
         mma_abt<NT, BK, D, T>(dp, df, sm.u.kv[buf].v, lane, koff);
-        if (!all_allowed(p, r0, 16, k0, KS))  // warp-uniform: interior sub-tiles skip the mask
-          mask_raw(s, p, sm.kbias[buf] + koff, r0, k0, lane);
-        body(s, dp, buf, koff);
+        if (k0 + KS <= warp_interior) {  // warp-uniform: interior sub-tiles skip the mask (body for each path)
+          body(s, dp, buf, koff);
+        } else {
+          mask_raw(s, p, tile_needs_bias<BK>(p, tile * BK) ? sm.kbias[buf] + koff : nullptr, r0, k0, lane);
+          body(s, dp, buf, koff);
+        }
       }
     }
   };
