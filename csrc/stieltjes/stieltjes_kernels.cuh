@@ -444,7 +444,9 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
 }
 
 template <int D> struct DqCfg {
-  static constexpr int BQ = 64, BK = 128, KS = 32;  // key tiles of BK (one barrier each), in sub-tiles of KS keys
+  // key tiles of BK (one barrier each; D 128 keeps 64: 70 KB, within the 99 KB per block of sm_86 / sm_89), in
+  // sub-tiles of KS keys
+  static constexpr int BQ = 64, BK = D == 128 ? 64 : 128, KS = 32;
   static constexpr int kMinBlocks = D == 128 ? 1 : 3;  // caps registers at 168 for D <= 64 (3 blocks per SM)
   struct Smem {
     union {
