@@ -381,6 +381,33 @@ def test_sass_report_counts_instructions_by_innermost_function(tmp_path, capsys)
         sass_report.kernel_positions(kernel_sass(src), "missing_kernel")
 
 
+def test_sass_report_lists_register_copy_runs(tmp_path, capsys):
+    src = tmp_path / "kernels.cuh"
+    sass_text = f"""\
+.text._Z9my_kernelv:
+\t//## File "{src}", line 8
+        /*0000*/                   MOV R1, R2 ;
+        /*0010*/                   IMAD.MOV.U32 R3, RZ, RZ, R4 ;
+        /*0020*/              @!P0 MOV R5, R6 ;
+        /*0030*/                   FADD R2, R0, R0 ;
+\t//## File "{src}", line 3
+        /*0040*/                   MOV R7, R8 ;
+        /*0050*/                   IMAD.SHL.U32 R9, R9, 0x2, RZ ;
+        /*0060*/                   IMAD.MOV.U32 R3, RZ, RZ, R4 ;
+        /*0070*/                   MOV R1, R2 ;
+"""
+    positions = sass_report.kernel_positions(sass_text, "my_kernel", full_opcode=True)
+    assert [op for *_, op, _ in positions][:3] == ["MOV", "IMAD.MOV.U32", "MOV"]
+    assert sass_report.copy_runs(positions, 2) == [(3, 0x00, "kernels.cuh:8"), (2, 0x60, "kernels.cuh:3")]
+    assert sass_report.copy_runs(positions, 3) == [(3, 0x00, "kernels.cuh:8")]
+    sass = tmp_path / "k.sass"
+    sass.write_text(sass_text)
+    sass_report.main([str(sass), "my_kernel", "--copies", "2"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "my_kernel: 2 runs of 2 or more register copies, 5 instructions"
+    assert out[1].split() == ["3", "at", "0x0000", "kernels.cuh:8"]
+
+
 def source_page_csv(rows_by_kernel):
     """An ``ncu --page source --csv --print-source sass`` export: per kernel its name row, a header, then one row
     per instruction (address, source, stall samples, executed)."""
