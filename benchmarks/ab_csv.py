@@ -55,11 +55,17 @@ def rows(runs: list[dict], *, gpu: str, torch_version: str, cuda: str, shas: dic
     } for r in runs]
 
 
-def local_versions() -> tuple[str, str, str]:
-    """(GPU name, torch version, CUDA version) of this machine's torch; 'cpu' / '' without a GPU."""
+def versions(gpu, torch_version, cuda) -> tuple[str, str, str]:
+    """(GPU name, torch version, CUDA version): the ones given, the missing ones from this machine's torch as the
+    benchmark CSVs name them (report.environment)."""
+    if gpu and torch_version and cuda:
+        return gpu, torch_version, cuda
     import torch
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return gpu, torch.__version__, torch.version.cuda or ""
+
+    from .report import device_name
+    found = (device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu")), torch.__version__,
+             torch.version.cuda or "none")
+    return gpu or found[0], torch_version or found[1], cuda or found[2]
 
 
 def main(argv=None) -> int:
@@ -84,9 +90,7 @@ def main(argv=None) -> int:
     if not runs:
         print(f"ab_csv: no profiled run in {args.ab_txt}", file=sys.stderr)
         return 1
-    gpu, torch_version, cuda = (args.gpu, args.torch, args.cuda) if args.gpu and args.torch and args.cuda \
-        else local_versions()
-    gpu, torch_version, cuda = args.gpu or gpu, args.torch or torch_version, args.cuda or cuda
+    gpu, torch_version, cuda = versions(args.gpu, args.torch, args.cuda)
     out = args.out or os.path.join(os.path.dirname(args.ab_txt), "ab.csv")
     with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)

@@ -103,7 +103,8 @@ def reference_step(x: torch.Tensor, lam: torch.Tensor, order: float) -> torch.Te
 
 
 def jensen_start(x: torch.Tensor, order: float) -> torch.Tensor:
-    return solve_lambda(x, torch.ones_like(x, dtype=torch.bool), order, 0)
+    """max(1, n^(1/order) + mean x): Jensen on all n keys (``solve_lambda``'s start before ``start_lambda``)."""
+    return torch.clamp_min(x.shape[1] ** (1.0 / order) + x.mean(dim=-1), 1.0)
 
 
 def solve_top_model(n: int, dist: torch.Tensor, order: float, steps: int = 100) -> torch.Tensor:
@@ -152,7 +153,7 @@ def first_iterate(scheme: str, x: torch.Tensor, pole: torch.Tensor, order: float
     upper = torch.full_like(pole, n ** (1.0 / order))
     lam0 = jensen_start(x, order)
     if scheme == "ref1":
-        return lam0
+        return solve_lambda(x, torch.ones_like(x, dtype=torch.bool), order, 0)
     if scheme == "C_top":
         return lam0 if n == 1 else torch.maximum(lam0, solve_top_model(n, -x.sum(-1) / (n - 1), order))
     if scheme == "C_laplace":
@@ -187,6 +188,8 @@ def first_iterate(scheme: str, x: torch.Tensor, pole: torch.Tensor, order: float
 
 SCHEMES = {  # name: (sweeps, what the kernel needs beyond today's stats sweep)
     "ref2": (4, "today"),
+    "ref3": (5, "one more solver sweep"),
+    "jensen2": (4, "the start before start_lambda: Jensen on all keys, then 2 steps"),
     "ref1": (3, "nothing"),
     "C_top": (3, "per-row scalar solve"),
     "A_newton": (3, "max|k| per head; f, s1 at the pole"),
@@ -199,8 +202,10 @@ SCHEMES = {  # name: (sweeps, what the kernel needs beyond today's stats sweep)
 
 
 def final_lambda(scheme: str, x: torch.Tensor, pole: torch.Tensor, order: float) -> torch.Tensor:
-    if scheme == "ref2":
-        return solve_lambda(x, torch.ones_like(x, dtype=torch.bool), order, 2)
+    if scheme in ("ref2", "ref3"):
+        return solve_lambda(x, torch.ones_like(x, dtype=torch.bool), order, int(scheme[-1]))
+    if scheme == "jensen2":
+        return reference_step(x, reference_step(x, jensen_start(x, order), order), order)
     return reference_step(x, first_iterate(scheme, x, pole, order), order)
 
 

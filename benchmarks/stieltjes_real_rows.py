@@ -13,8 +13,9 @@ SmolLM2-135M-Instruct's own causal score rows:
 - score rows s_i = q_i . k_j / sqrt(D) (j <= i, causal) are formed in float64 for sampled positions i (every
   ``--stride``-th row ending at the last one, plus a few short rows), x = s - max s; v = the layer's value rows
   (float64, the head's kv group); rows of one length (all articles, layers, heads) are solved as one batch;
-- per order: the exact root (``root_by_bisection``), then ref2 / ref1 / C_laplace / C_top exactly as in
-  ``stieltjes_fused_start.final_lambda``, and the relative output error of each row (``output_error``'s formula,
+- per order: the exact root (``root_by_bisection``), then ref2 / jensen2 / ref3 / ref1 / C_laplace / C_top exactly
+  as in ``stieltjes_fused_start.final_lambda`` and ``default`` (``solve_lambda`` with ``default_newton_iter``, the
+  library's default at that order), and the relative output error of each row (``output_error``'s formula,
   per row, with that row's own v).
 
 Prints per order a table: layer, worst error per scheme and where (article, head, position), the share of rows
@@ -32,9 +33,12 @@ from collections import defaultdict
 import torch
 
 from benchmarks.stieltjes_fused_start import first_iterate, final_lambda, laplace_start
+from hf_attention_backends.ops.stieltjes.op import default_newton_iter
+from hf_attention_backends.ops.stieltjes.reference import solve_lambda
 from benchmarks.stieltjes_solver import output_error, root_by_bisection
 
-SCHEME_NAMES = ("ref2", "ref1", "C_laplace", "C_top")
+SCHEME_NAMES = ("ref2", "jensen2", "ref3", "ref1", "C_laplace", "C_top", "default")
+NO_START = ("ref2", "jensen2", "ref3", "default")  # schemes whose lambda_1 the report does not print
 TOL = 1e-3
 
 
@@ -175,7 +179,8 @@ def main(argv=None) -> None:
             info["raw_nonfinite"] += int((~torch.isfinite(raw)).sum())
             info["raw_out"] += int(((raw < 1) | (raw > upper * (1 + 1e-12))).sum())
             for scheme in SCHEME_NAMES:
-                lam = final_lambda(scheme, x, pole, order)
+                lam = (solve_lambda(x, torch.ones_like(x, dtype=torch.bool), order, default_newton_iter(order))
+                       if scheme == "default" else final_lambda(scheme, x, pole, order))
                 err = row_errors(x, v, order, lam, exact)
                 if not checked:  # the per-row formula is output_error's
                     assert math.isclose(err[:1].max().item(), output_error(x[:1], v[0], order, lam[:1], exact[:1]),
@@ -199,7 +204,7 @@ def main(argv=None) -> None:
                     rows_seen[order, scheme, layer] += heads
                 j = int(err.argmax())
                 if (order, scheme) not in worst_detail or err[j].item() > worst_detail[order, scheme][0]:
-                    start = lam[j] if scheme == "ref2" else first_iterate(scheme, x[j:j + 1], pole[j:j + 1], order)[0]
+                    start = lam[j] if scheme in NO_START else first_iterate(scheme, x[j:j + 1], pole[j:j + 1], order)[0]
                     worst_detail[order, scheme] = (err[j].item(), n, exact[j].item(), start.item(), lam[j].item())
     print(f"solver study: {time.perf_counter() - t2:.0f} s over {len(pos)} positions "
           f"({pos[:6]} ... {pos[-2:]}); v = the layer's value rows")
@@ -226,7 +231,7 @@ def main(argv=None) -> None:
               f"final lambda non-finite: {info['final_nonfinite']}, < 1: {info['below1']}")
         for scheme in SCHEME_NAMES:
             err, n, ex, st, fin = worst_detail[order, scheme]
-            start = "" if scheme == "ref2" else f"lambda_1 {st:.6g} ({st / ex - 1:+.2%}), "
+            start = "" if scheme in NO_START else f"lambda_1 {st:.6g} ({st / ex - 1:+.2%}), "
             print(f"  worst {scheme}: err {err:.1e}, n {n}, exact root {ex:.6g}, {start}"
                   f"final {fin:.6g} ({fin / ex - 1:+.1e})")
     print(f"\nran {time.perf_counter() - t0:.0f} s")

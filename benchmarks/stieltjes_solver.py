@@ -14,6 +14,8 @@ bisection) after 0..max_steps steps of
     python -m benchmarks.stieltjes_solver [--n 4096] [--rows 64] [--max-steps 3]
     python -m benchmarks.stieltjes_solver --steps-needed [--tol 3e-4]   # per order: the Newton steps the wider
         grid (scales 0.05..10, N 1..16384, 8 rows each) needs everywhere: the table behind default_newton_iter
+    python -m benchmarks.stieltjes_solver --bimodal [--order 4]   # rows of two clusters (bimodal_row): the worst
+        output error of the default solve from Jensen's start and from start_lambda, and of one step more
 """
 from __future__ import annotations
 
@@ -95,6 +97,46 @@ def newton_steps_needed(order: float, tol: float, scales=(0.05, 0.3, 1, 2, 3, 5,
     return worst
 
 
+def bimodal_row(n: int, near: int, a: float, b: float, spread: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (1, n) and v (n, 8): the max at 0, `near` keys in [-a - 0.5, -a], the rest in [-b - spread, -b]."""
+    gen = torch.Generator().manual_seed(seed)
+    x = -(b + spread * torch.rand(1, n, generator=gen, dtype=torch.float64))
+    x[0, :near] = -(a + 0.5 * torch.rand(near, generator=gen, dtype=torch.float64))
+    x[0, 0] = 0.0
+    return x, torch.randn(n, 8, generator=gen, dtype=torch.float64)
+
+
+def bimodal_study(order: float) -> dict:
+    """{scheme: (worst error, its row's parameters)} over bimodal rows, for the default step count (k) from Jensen's
+    start ("jensen"), from start_lambda ("library") and k + 1 steps from start_lambda ("one more"); plus how many
+    rows the library's start left worse off than Jensen's."""
+    from hf_attention_backends.ops.stieltjes.op import default_newton_iter
+    from hf_attention_backends.ops.stieltjes.reference import solver_step
+    steps = default_newton_iter(order)
+    worst = {s: (0.0, None) for s in ("jensen", "library", "one more")}
+    worse, total = 0, 0
+    for n in (1024, 4096, 16384):
+        for near in (n // 64, n // 16, n // 8, n // 4):
+            for a in (1.0, 2.5, 4.0):
+                for b in (6.0, 10.0, 14.0):
+                    x, v = bimodal_row(n, near, a, b, 1.0, seed=total)
+                    exact = root_by_bisection(x, order)
+                    upper = torch.full((1,), n ** (1.0 / order), dtype=torch.float64)
+                    lam = torch.clamp_min(upper + x.mean(dim=-1), 1.0)
+                    for _ in range(steps):
+                        lam = solver_step(x, lam, order, upper)
+                    ok = torch.ones_like(x, dtype=torch.bool)
+                    errs = {"jensen": output_error(x, v, order, lam, exact),
+                            "library": output_error(x, v, order, solve_lambda(x, ok, order, steps), exact),
+                            "one more": output_error(x, v, order, solve_lambda(x, ok, order, steps + 1), exact)}
+                    for s, e in errs.items():
+                        if e > worst[s][0]:
+                            worst[s] = (e, f"N {n}, near {near} at {a}, rest at {b}")
+                    worse += errs["library"] > 1.01 * errs["jensen"] and errs["library"] > 1e-6
+                    total += 1
+    return {**worst, "rows": total, "library worse than jensen": worse}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=4096, help="keys per row (default 4096)")
@@ -103,7 +145,13 @@ def main(argv=None) -> None:
     ap.add_argument("--max-steps", type=int, default=3, help="solver steps to report (default 3)")
     ap.add_argument("--steps-needed", action="store_true", help="per order, the Newton steps the grid needs")
     ap.add_argument("--tol", type=float, default=3e-4, help="output error for --steps-needed (default 3e-4)")
+    ap.add_argument("--bimodal", action="store_true", help="two-cluster rows: the default solve from both starts")
+    ap.add_argument("--order", type=float, default=4.0, help="order for --bimodal (default 4)")
     args = ap.parse_args(argv)
+    if args.bimodal:
+        for key, val in bimodal_study(args.order).items():
+            print(f"{key}: {val[0]:.1e} ({val[1]})" if isinstance(val, tuple) else f"{key}: {val}")
+        return
     if args.steps_needed:
         for order in (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 8.0):
             steps, scale, n = newton_steps_needed(order, args.tol)

@@ -3,8 +3,7 @@
 // Math (hf_attention_backends/ops/stieltjes/reference.py): s = scale q k^T over allowed keys (causal bottom-right
 // aligned: query i sees key j <= i + Nk - Nq; key padding; GQA query head h reads kv head h / groups),
 // x = s - rowmax, lambda solves sum_j (lambda - x_j)^(-order) = 1 (Newton, or clamped Halley at order >= 4, on
-// f^(-1/order) - 1 from max(1, n^(1/order) + mean x), newton_iter steps, clamp >= 1: the reference's solver step
-// for step),
+// f^(-1/order) - 1 from start_lambda, newton_iter steps, clamp >= 1: the reference's solver step for step),
 // P = (lambda - x)^(-order), out = P v / sum P. Backward at the saved lambda (implicit function theorem):
 // r = (lambda - x)^(-order-1), delta = sum dP r / sum r, dS = order r (dP - delta), dq = scale dS k,
 // dk = scale dS^T q, dv = (P / sum P)^T dO. Rows with no allowed key: out 0, rowmax 0, lambda 1, no gradient.
@@ -102,6 +101,23 @@ __device__ __forceinline__ float solver_step(float lam, float f, float s1, float
     }
   }
   return fmaxf(1.f, next);
+}
+
+constexpr int kStartSteps = 6;  // reference.START_STEPS
+
+// reference.start_lambda from a row's allowed-key count n and mean score below the max mean_x (<= 0), with upper =
+// n^(1/order): Jensen's bound max(1, upper + mean_x), then Newton steps on h^(-1/order) - 1 with h = lambda^-order
+// + (n - 1) (lambda + dist)^-order (the largest key apart, Jensen on the others), each still a lower bound of the root.
+__device__ __forceinline__ float start_lambda(float n, float mean_x, float order, float inv_order, float upper) {
+  float lam = fmaxf(1.f, upper + mean_x);
+  const float others = n - 1.f, dist = others > 0.f ? -mean_x * n / others : 0.f;
+  for (int it = 0; it < kStartSteps; ++it) {
+    const float y = lam + dist;
+    const float p_top = exp2f(-order * __log2f(lam)), p_rest = others * exp2f(-order * __log2f(y));
+    const float h = p_top + p_rest, s1 = p_top / lam + p_rest / y;
+    lam += h * (exp2f(__log2f(h) * inv_order) - 1.f) / s1;
+  }
+  return lam;
 }
 
 // Rows [row0, row0 + ROWS) of a matrix with D contiguous elements per row, `stride` elements apart; rows >= n
@@ -365,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
     if (cnt[r] == 0.f) m[r] = 0.f;  // empty row: every pair is masked, every y is +inf
     neg_m[r] = -m[r];
     upper[r] = exp2f(__log2f(cnt[r]) * inv_order);
-    lam[r] = cnt[r] > 0.f ? fmaxf(1.f, upper[r] + (sum[r] / cnt[r] - m[r])) : 1.f;
+    lam[r] = cnt[r] > 0.f ? start_lambda(cnt[r], sum[r] / cnt[r] - m[r], order, inv_order, upper[r]) : 1.f;
   }
 
   // y = lam - (s scale - m) = (lam + m) - s scale: one FFMA per score; rounding lam + m moves y by <= 6e-8 (lam + |m|)

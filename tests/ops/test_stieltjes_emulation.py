@@ -9,9 +9,11 @@ import ctypes
 import pytest
 import torch
 
+from hf_attention_backends.ops.stieltjes import reference
 from tests.inputs import make_padding
 from tests.ops.emulation import build, check_rc, cpu_inputs, nan_like, ptr
 from tests.ops.test_stieltjes_cuda import CONVERGED, check_against_oracle
+from tests.tolerance import assert_close_to_oracle
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +63,19 @@ def test_bfloat16_key_padding_and_bottom_right_causal(emulator):
 def test_decode_and_rows_without_keys(emulator, nq, nk):
     q, k, v = cpu_inputs(1, 4, 1, nq, nk, 128)  # GQA 4:1; (70, 33) causal: queries 0..36 see no key
     check_against_oracle(q, k, v, causal=True, run=emulated(emulator))
+
+
+@pytest.mark.parametrize("order", [2.0, 4.0])
+def test_same_solver_steps_as_the_reference(emulator, order):
+    """One solver step from the start: the kernel's start_lambda and step are the reference's (fp32 rounding apart),
+    as tests/ops/test_stieltjes_cuda.py checks on the GPU; scores x2 over 300 keys, where the start is far from the
+    root."""
+    q, k, v = cpu_inputs(1, 2, 1, 40, 300, 64, scale=2.0)
+    dout = torch.randn_like(q)
+    mask = make_padding(1, 300, seed=9)
+    for causal in (False, True):
+        (_, rowmax, lam), _ = emulated(emulator)(q, k, v, dout, order=order, causal=causal, scale=0.125, mask=mask,
+                                                 newton_iter=1)
+        _, rowmax_ref, lam_ref = reference.stieltjes_forward(q, k, v, mask, causal, 0.125, order, 1)
+        assert_close_to_oracle(rowmax, rowmax_ref, atol=1e-5, rtol=1e-6, name="rowmax")
+        assert_close_to_oracle(lam, lam_ref, atol=0, rtol=2e-5, name="lambda")

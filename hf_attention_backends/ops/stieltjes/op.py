@@ -64,15 +64,12 @@ stieltjes_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def default_newton_iter(order: float) -> int:
     """The solver steps that keep the output within 1e-3 (relative) of the exact-root output at this order: 2 clamped
-    Halley steps for order >= 4; Newton steps below: 4 from 2.5, 5 from 2, else 6. Each is at least the most any
-    case of ``python -m benchmarks.stieltjes_solver --steps-needed`` needed to reach 3e-4 (scores of standard
-    normal q, k times 0.05..10, N 1..16384, float64); with a fixed 3 Newton steps the output was 3e-1 off at order 1
-    (``csrc/stieltjes/NOTES.md``, "Steps per order")."""
-    if order >= reference.HALLEY_MIN_ORDER:
-        return 2
-    if order >= 2.5:
-        return 4
-    return 5 if order >= 2.0 else 6
+    Halley steps for order >= 4, 4 Newton steps below, from ``reference.start_lambda``. Each is at least the most
+    any case of ``python -m benchmarks.stieltjes_solver --steps-needed`` needed to reach 3e-4 (scores of standard
+    normal q, k times 0.05..10, N 1..16384, float64: 3 to 4 Newton steps at orders 1 to 3; from Jensen's start
+    they were 4 to 6), and SmolLM2's real score rows stay within it (``benchmarks.stieltjes_real_rows``;
+    ``csrc/stieltjes/NOTES.md``, "Steps per order")."""
+    return 2 if order >= reference.HALLEY_MIN_ORDER else 4
 
 
 def _check_args(q, k, v, order, newton_iter, scale, key_padding_mask):
