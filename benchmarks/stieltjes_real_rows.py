@@ -14,8 +14,8 @@ SmolLM2-135M-Instruct's own causal score rows:
   ``--stride``-th row ending at the last one, plus a few short rows), x = s - max s; v = the layer's value rows
   (float64, the head's kv group); rows of one length (all articles, layers, heads) are solved as one batch;
 - per order: the exact root (``root_by_bisection``), then ref2 / jensen2 / ref3 / ref1 / C_laplace / C_top exactly
-  as in ``stieltjes_fused_start.final_lambda`` and ``default`` (``solve_lambda`` with ``default_newton_iter``, the
-  library's default at that order), and the relative output error of each row (``output_error``'s formula,
+  as in ``stieltjes_fused_start.final_lambda`` and ``default`` (``solve_lambda`` with ``-default_newton_iter``: the
+  library's default at that order, with its extra steps for rows whose last step was large), and the relative output error of each row (``output_error``'s formula,
   per row, with that row's own v).
 
 Prints per order a table: layer, worst error per scheme and where (article, head, position), the share of rows
@@ -179,7 +179,7 @@ def main(argv=None) -> None:
             info["raw_nonfinite"] += int((~torch.isfinite(raw)).sum())
             info["raw_out"] += int(((raw < 1) | (raw > upper * (1 + 1e-12))).sum())
             for scheme in SCHEME_NAMES:
-                lam = (solve_lambda(x, torch.ones_like(x, dtype=torch.bool), order, default_newton_iter(order))
+                lam = (solve_lambda(x, torch.ones_like(x, dtype=torch.bool), order, -default_newton_iter(order))
                        if scheme == "default" else final_lambda(scheme, x, pole, order))
                 err = row_errors(x, v, order, lam, exact)
                 if not checked:  # the per-row formula is output_error's

@@ -13,8 +13,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stieltjes_fwd_cuda(
     bool causal, double scale, double order, int64_t newton_iter) {
   constexpr const char* kOp = "hfab::stieltjes_fwd";
   const AutocastOff autocast_off;
-  TORCH_CHECK(newton_iter >= 0 && newton_iter <= 100, kOp, ": newton_iter=", newton_iter,
-              " is not supported; supported: 0..100");
+  TORCH_CHECK(newton_iter >= -100 && newton_iter <= 100, kOp, ": newton_iter=", newton_iter,
+              " is not supported; supported: -100..100 (< 0: -newton_iter steps, then extra ones where rows need them)");
   Inputs in = prepare(kOp, q, k, v, key_padding_mask, causal, scale, order);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));

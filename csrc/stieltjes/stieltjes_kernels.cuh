@@ -3,7 +3,9 @@
 // Math (hf_attention_backends/ops/stieltjes/reference.py): s = scale q k^T over allowed keys (causal bottom-right
 // aligned: query i sees key j <= i + Nk - Nq; key padding; GQA query head h reads kv head h / groups),
 // x = s - rowmax, lambda solves sum_j (lambda - x_j)^(-order) = 1 (Newton, or clamped Halley at order >= 4, on
-// f^(-1/order) - 1 from start_lambda, newton_iter steps, clamp >= 1: the reference's solver step for step),
+// f^(-1/order) - 1 from start_lambda, newton_iter steps, clamp >= 1: the reference's solver step for step; newton_iter
+// < 0: -newton_iter steps, then up to kMaxExtraSteps more for the rows whose last step moved lambda by more than
+// kStepTol, a block sweeping the keys again only when one of its rows needs it),
 // P = (lambda - x)^(-order), out = P v / sum P. Backward at the saved lambda (implicit function theorem):
 // r = (lambda - x)^(-order-1), delta = sum dP r / sum r, dS = order r (dP - delta), dq = scale dS k,
 // dk = scale dS^T q, dv = (P / sum P)^T dO. Rows with no allowed key: out 0, rowmax 0, lambda 1, no gradient.
@@ -49,7 +51,7 @@ struct Params {
   void* dk;       // (B, Hkv, Nk, D) contiguous
   void* dv;
   Strides sq, sk, sv, sdo;
-  int hq, groups, nq, nk, newton_iter;
+  int hq, groups, nq, nk, newton_iter;  // newton_iter < 0: the adaptive solve (reference.solve_lambda)
   float scale, order;
   int causal;
 };
@@ -104,6 +106,8 @@ __device__ __forceinline__ float solver_step(float lam, float f, float s1, float
 }
 
 constexpr int kStartSteps = 6;  // reference.START_STEPS
+constexpr float kStepTol = 0.1f;  // reference.STEP_TOL
+constexpr int kMaxExtraSteps = 2;  // reference.MAX_EXTRA_STEPS
 
 // reference.start_lambda from a row's allowed-key count n and mean score below the max mean_x (<= 0), with upper =
 // n^(1/order): Jensen's bound max(1, upper + mean_x), then Newton steps on h^(-1/order) - 1 with h = lambda^-order
@@ -391,8 +395,11 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
     lam_m[0] = lam[0] - neg_m[0];
     lam_m[1] = lam[1] - neg_m[1];
   };
+  // per row of this thread: whether its last step moved lambda by more than kStepTol (relative to the new lambda);
+  // an extra step (EXTRA) takes only those rows, as reference.solve_lambda's adaptive steps
+  bool moved[2] = {false, false};
   // one solver sweep: the row sums at lam, then solver_step (s2 only for Halley)
-  auto solve = [&](auto halley) {
+  auto solve = [&](auto halley, bool extra) {
     constexpr bool kHalley = decltype(halley)::value;
     float f[2] = {0.f, 0.f}, s1[2] = {0.f, 0.f}, s2[2] = {0.f, 0.f};
     shift_by_max();
@@ -413,14 +420,21 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
       f[r] = mma::quad_sum(f[r]);
       s1[r] = mma::quad_sum(s1[r]);
       if constexpr (kHalley) s2[r] = mma::quad_sum(s2[r]);
-      if (cnt[r] > 0.f) lam[r] = solver_step<kHalley>(lam[r], f[r], s1[r], s2[r], order, inv_order, upper[r]);
+      if (cnt[r] > 0.f && (moved[r] || !extra)) {
+        const float next = solver_step<kHalley>(lam[r], f[r], s1[r], s2[r], order, inv_order, upper[r]);
+        moved[r] = fabsf(next - lam[r]) > kStepTol * next;
+        lam[r] = next;
+      }
     }
   };
-  for (int it = 0; it < p.newton_iter; ++it) {
-    if constexpr (IORD == 4) solve(std::true_type{});
-    else if constexpr (IORD == 2) solve(std::false_type{});
-    else if (order >= kHalleyMinOrder) solve(std::true_type{});
-    else solve(std::false_type{});
+  const int fixed = abs(p.newton_iter), steps = fixed + (p.newton_iter < 0 ? kMaxExtraSteps : 0);
+  for (int it = 0; it < steps; ++it) {
+    const bool extra = it >= fixed;
+    if (extra && !__syncthreads_or(moved[0] || moved[1])) break;  // block-uniform: a sweep only where a row needs it
+    if constexpr (IORD == 4) solve(std::true_type{}, extra);
+    else if constexpr (IORD == 2) solve(std::false_type{}, extra);
+    else if (order >= kHalleyMinOrder) solve(std::true_type{}, extra);
+    else solve(std::false_type{}, extra);
   }
 
   float o[D / 8][4], l[2] = {0.f, 0.f};

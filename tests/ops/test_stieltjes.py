@@ -184,6 +184,47 @@ def test_default_order4_solve_on_a_bimodal_row():
     assert error(reference.solve_lambda(x, torch.ones_like(x, dtype=torch.bool), 4.0, default_newton_iter(4.0))) < 1e-4
 
 
+def test_adaptive_solve_takes_extra_steps_only_where_the_last_step_was_large():
+    """newton_iter < 0 (the public functions' default): after -newton_iter steps, a row whose last step moved lambda
+    by more than STEP_TOL takes another (up to MAX_EXTRA_STEPS), the others keep their lambda. A row of two clusters
+    at N 16,384 (a quarter of the keys 4-4.5 below the max, the rest 14-15 below), which two Halley steps leave ~1e-2
+    off the exact-root output, ends within 1e-3; Gaussian rows beside it keep the two-step lambda."""
+    gen = torch.Generator().manual_seed(0)
+    hard = -(14.0 + torch.rand(1, 16384, generator=gen, dtype=torch.float64))
+    hard[0, :4096] = -(4.0 + 0.5 * torch.rand(4096, generator=gen, dtype=torch.float64))
+    easy = torch.randn(3, 16384, generator=gen, dtype=torch.float64)
+    x = torch.cat([hard, easy - easy.max(-1, keepdim=True).values])
+    x[0, 0] = 0.0
+    ok = torch.ones_like(x, dtype=torch.bool)
+    v = torch.randn(16384, 8, generator=gen, dtype=torch.float64)
+    upper = torch.full((4,), 16384 ** 0.25, dtype=torch.float64)
+    root = bisect_decreasing(lambda l: ((l[:, None] - x) ** -4.0).sum(-1), torch.ones(4, dtype=torch.float64), upper)
+
+    def error(lam):
+        p, p_root = (lam[:, None] - x) ** -4.0, (root[:, None] - x) ** -4.0
+        out, exact = p @ v / p.sum(-1, keepdim=True), p_root @ v / p_root.sum(-1, keepdim=True)
+        return (out - exact).norm(dim=-1) / exact.norm(dim=-1)
+
+    one, two = reference.solve_lambda(x, ok, 4.0, 1), reference.solve_lambda(x, ok, 4.0, 2)
+    adaptive = reference.solve_lambda(x, ok, 4.0, -2)
+    moved = (two - one).abs() > reference.STEP_TOL * two
+    assert moved.tolist() == [True, False, False, False]
+    assert torch.equal(adaptive[1:], two[1:]) and not torch.equal(adaptive[:1], two[:1])
+    assert error(two)[0] > 1e-3 > error(adaptive)[0]
+
+
+@pytest.mark.parametrize("order, newton_iter, expected", [(4.0, None, -2), (2.0, None, -4), (4.0, 3, 3)])
+def test_public_default_is_the_adaptive_solve(monkeypatch, order, newton_iter, expected):
+    """newton_iter=None reaches the solver as -default_newton_iter(order) (adaptive), an explicit count as itself."""
+    seen = []
+    solve = reference.solve_lambda
+    monkeypatch.setattr(reference, "solve_lambda", lambda x, ok, o, n: seen.append(n) or solve(x, ok, o, n))
+    q, k, v = make_qkv(1, 2, 1, 5, 9, 8, dtype=torch.float32, seed=12)
+    run(q, k, v, order=order, newton_iter=newton_iter)
+    reference_attention(q, k, v, order=order, newton_iter=newton_iter)
+    assert seen == [expected, expected]
+
+
 @pytest.mark.parametrize("order", [4.0, 8.0])
 def test_halley_steps_stay_bracketed_and_converge(order):
     """order >= 4: clamped Halley steps stay in [1, n^(1/order)], never fall behind the Newton step from the same

@@ -197,11 +197,11 @@ def test_bfloat16(n, d):
 
 
 @pytest.mark.parametrize("order", [1.0, 2.0, 4.0, 8.0])
-@pytest.mark.parametrize("newton_iter", [1, 3])
+@pytest.mark.parametrize("newton_iter", [1, 3, -1, -2])  # < 0: the adaptive solve (extra steps where rows need them)
 @pytest.mark.parametrize("scale", [64 ** -0.5, 0.1])  # 0.1: not a power of 2, so scaling rounds
 def test_same_newton_steps_as_the_reference(order, newton_iter, scale):
     """Step for step: the kernel's lambda after k solver steps (Newton; clamped Halley at order >= 4) is the
-    reference's (fp32 rounding apart)."""
+    reference's (fp32 rounding apart); with newton_iter < 0 also the adaptive extra steps, row by row."""
     q, k, v = make_inputs(2, 4, 2, 333, 1000, 64, scale=2.0)
     mask = make_padding(2, 1000, seed=9).to(DEV)
     for causal in (False, True):
@@ -217,7 +217,7 @@ def test_same_newton_steps_as_the_reference(order, newton_iter, scale):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_default_settings_within_1e3_of_the_root(dtype, causal):
-    """The accuracy contract at the defaults (order 4, default_newton_iter: 2 clamped Halley steps), scores x0.05,
+    """The accuracy contract at the defaults (order 4: 2 clamped Halley steps, adaptive extra ones), scores x0.05,
     x1, x3, x10.
 
     lambda (fp32 state) within 1e-4 of the exact root in both dtypes; the output within 1e-3 (relative to
@@ -225,7 +225,7 @@ def test_default_settings_within_1e3_of_the_root(dtype, causal):
     """
     for mult in (0.05, 1.0, 3.0, 10.0):
         q, k, v = make_inputs(2, 2, 1, 32, 3001, 64, scale=mult, dtype=dtype, seed=4)
-        (out, _, lam), _ = run_kernel(q, k, v, None, causal=causal, newton_iter=default_newton_iter(4.0))
+        (out, _, lam), _ = run_kernel(q, k, v, None, causal=causal, newton_iter=-default_newton_iter(4.0))
         root, lam_root, _ = oracle(q, k, v, order=4.0, causal=causal, scale=0.125, mask=None)
         assert_close_to_oracle(lam, lam_root, atol=0, rtol=1e-4, name=f"lambda at x{mult}")
         rtol = 1e-3 if dtype == torch.float16 else 1e-3 + 2.0 ** -9

@@ -65,17 +65,39 @@ def test_decode_and_rows_without_keys(emulator, nq, nk):
     check_against_oracle(q, k, v, causal=True, run=emulated(emulator))
 
 
+def solver_inputs(scale):
+    """q, k, v over 300 keys (scores x scale, where the start is far from the root) and a key mask."""
+    q, k, v = cpu_inputs(1, 2, 1, 40, 300, 64, scale=scale)
+    return q, k, v, make_padding(1, 300, seed=9)
+
+
+def emulated_lambda(emulator, q, k, v, mask, *, order, causal, newton_iter):
+    (_, rowmax, lam), _ = emulated(emulator)(q, k, v, torch.randn_like(q), order=order, causal=causal, scale=0.125,
+                                             mask=mask, newton_iter=newton_iter)
+    return rowmax, lam
+
+
 @pytest.mark.parametrize("order", [2.0, 4.0])
 def test_same_solver_steps_as_the_reference(emulator, order):
     """One solver step from the start: the kernel's start_lambda and step are the reference's (fp32 rounding apart),
-    as tests/ops/test_stieltjes_cuda.py checks on the GPU; scores x2 over 300 keys, where the start is far from the
-    root."""
-    q, k, v = cpu_inputs(1, 2, 1, 40, 300, 64, scale=2.0)
-    dout = torch.randn_like(q)
-    mask = make_padding(1, 300, seed=9)
+    as tests/ops/test_stieltjes_cuda.py checks on the GPU."""
+    q, k, v, mask = solver_inputs(2.0)
     for causal in (False, True):
-        (_, rowmax, lam), _ = emulated(emulator)(q, k, v, dout, order=order, causal=causal, scale=0.125, mask=mask,
-                                                 newton_iter=1)
+        rowmax, lam = emulated_lambda(emulator, q, k, v, mask, order=order, causal=causal, newton_iter=1)
         _, rowmax_ref, lam_ref = reference.stieltjes_forward(q, k, v, mask, causal, 0.125, order, 1)
         assert_close_to_oracle(rowmax, rowmax_ref, atol=1e-5, rtol=1e-6, name="rowmax")
         assert_close_to_oracle(lam, lam_ref, atol=0, rtol=2e-5, name="lambda")
+
+
+@pytest.mark.parametrize("order, scale", [(4.0, 2.0), (2.0, 3.0)])
+def test_adaptive_extra_steps_as_the_reference(emulator, order, scale):
+    """newton_iter < 0 (the public default's form; here one step, then up to two extra): the rows whose last step
+    moved lambda by more than 10% take the extra steps and the others keep theirs, as in the reference (fp32
+    rounding apart); rows of the same query block do both."""
+    q, k, v, mask = solver_inputs(scale)
+    _, _, one = reference.stieltjes_forward(q, k, v, mask, False, 0.125, order, 1)
+    _, _, want = reference.stieltjes_forward(q, k, v, mask, False, 0.125, order, -1)
+    stepped = want != one
+    assert 0 < int(stepped.sum()) < stepped.numel()
+    _, lam = emulated_lambda(emulator, q, k, v, mask, order=order, causal=False, newton_iter=-1)
+    assert_close_to_oracle(lam, want, atol=0, rtol=2e-5, name="lambda")

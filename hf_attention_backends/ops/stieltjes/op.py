@@ -80,8 +80,9 @@ def _check_args(q, k, v, order, newton_iter, scale, key_padding_mask):
     if not (math.isfinite(order) and order >= 1.0):
         raise ValueError(f"order={order} is not supported; supported: a finite number >= 1 (default 4.0)")
     if newton_iter is None:
-        newton_iter = default_newton_iter(order)
-    newton_iter = check_positive_int("newton_iter", newton_iter, minimum=1, maximum=MAX_NEWTON_ITER)
+        newton_iter = -default_newton_iter(order)  # the op's adaptive form: the default steps, then extra ones
+    else:
+        newton_iter = check_positive_int("newton_iter", newton_iter, minimum=1, maximum=MAX_NEWTON_ITER)
     return float(order), newton_iter, resolve_scale(scale, q.shape[-1]), key_padding_mask
 
 
@@ -112,10 +113,12 @@ def stieltjes_attention(q: Tensor, k: Tensor, v: Tensor, *, order: float = 4.0, 
             query head h reads kv head h // (Hq / Hkv)).
         order: the power, a finite number >= 1 (default 4.0).
         newton_iter: solver steps for lambda (clamped Halley at order >= 4, Newton below), 1..100; None
-            (default): ``default_newton_iter(order)``, 2 at order >= 4 and up to 6 Newton steps at order < 2,
-            which keeps the output within 1e-3 (relative, fp32 compute)
-            of the output at the exact root for scores of q, k up to 10x standard normal (each step is one
-            more pass over the keys in the CUDA kernel).
+            (default): ``default_newton_iter(order)`` steps (2 at order >= 4, else 4), then up to 2 more for the
+            rows whose last step moved lambda by more than 10% (rare rows, e.g. a cluster of keys well below the
+            max and a far tail; the CUDA kernel sweeps the keys again only for query blocks with such a row).
+            That keeps the output within 1e-3 (relative, fp32 compute) of the output at the exact root for scores
+            of q, k up to 10x standard normal and on SmolLM2's attention rows (each step is one more pass over
+            the keys in the CUDA kernel).
         causal: bottom-right aligned causal mask (query i sees keys j <= i + Nk - Nq).
         scale: score scale, default D**-0.5.
         key_padding_mask: optional (B, Nk) bool, True = real key.

@@ -156,6 +156,18 @@ inline bool launch(dim3 grid, unsigned threads, const std::function<void()>& bod
 
 inline void __syncthreads() { emu::wait(emu::current->all); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::wait(emu::warp_barrier()); }
+inline int __syncthreads_or(int pred) {  // every thread's predicate through its slot, between two block barriers
+  std::memcpy(emu::current->slots[threadIdx.x].data(), &pred, sizeof(pred));
+  emu::wait(emu::current->all);
+  int any = 0;
+  for (const auto& slot : emu::current->slots) {
+    int v;
+    std::memcpy(&v, slot.data(), sizeof(v));
+    any |= v != 0;
+  }
+  emu::wait(emu::current->all);
+  return any;
+}
 template <typename V>
 V __shfl_sync(unsigned, V v, int src) {
   return emu::exchange(v, static_cast<unsigned>(src));
