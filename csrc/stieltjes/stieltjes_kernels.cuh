@@ -395,9 +395,9 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
     lam_m[0] = lam[0] - neg_m[0];
     lam_m[1] = lam[1] - neg_m[1];
   };
-  // per row of this thread: whether its last step moved lambda by more than kStepTol (relative to the new lambda);
-  // an extra step (EXTRA) takes only those rows, as reference.solve_lambda's adaptive steps
-  bool moved[2] = {false, false};
+  // upper[r] (n^(1/order) > 0) carries in its sign whether the row's last step moved lambda by more than kStepTol
+  // (relative to the new lambda): negative = moved. An extra step takes only those rows, as reference.solve_lambda's
+  // adaptive steps. (No register of its own across the sweeps: the D 64 kernels sit at their 128-register cap.)
   // one solver sweep: the row sums at lam, then solver_step (s2 only for Halley)
   auto solve = [&](auto halley, bool extra) {
     constexpr bool kHalley = decltype(halley)::value;
@@ -420,9 +420,10 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
       f[r] = mma::quad_sum(f[r]);
       s1[r] = mma::quad_sum(s1[r]);
       if constexpr (kHalley) s2[r] = mma::quad_sum(s2[r]);
-      if (cnt[r] > 0.f && (moved[r] || !extra)) {
-        const float next = solver_step<kHalley>(lam[r], f[r], s1[r], s2[r], order, inv_order, upper[r]);
-        moved[r] = fabsf(next - lam[r]) > kStepTol * next;
+      if (cnt[r] > 0.f && (upper[r] < 0.f || !extra)) {
+        const float up = fabsf(upper[r]);
+        const float next = solver_step<kHalley>(lam[r], f[r], s1[r], s2[r], order, inv_order, up);
+        upper[r] = fabsf(next - lam[r]) > kStepTol * next ? -up : up;
         lam[r] = next;
       }
     }
@@ -430,7 +431,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
   const int fixed = abs(p.newton_iter), steps = fixed + (p.newton_iter < 0 ? kMaxExtraSteps : 0);
   for (int it = 0; it < steps; ++it) {
     const bool extra = it >= fixed;
-    if (extra && !__syncthreads_or(moved[0] || moved[1])) break;  // block-uniform: a sweep only where a row needs it
+    if (extra && !__syncthreads_or(upper[0] < 0.f || upper[1] < 0.f)) break;  // block-uniform: a sweep where needed
     if constexpr (IORD == 4) solve(std::true_type{}, extra);
     else if constexpr (IORD == 2) solve(std::false_type{}, extra);
     else if (order >= kHalleyMinOrder) solve(std::true_type{}, extra);

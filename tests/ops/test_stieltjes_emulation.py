@@ -71,10 +71,11 @@ def solver_inputs(scale):
     return q, k, v, make_padding(1, 300, seed=9)
 
 
-def emulated_lambda(emulator, q, k, v, mask, *, order, causal, newton_iter):
-    (_, rowmax, lam), _ = emulated(emulator)(q, k, v, torch.randn_like(q), order=order, causal=causal, scale=0.125,
-                                             mask=mask, newton_iter=newton_iter)
-    return rowmax, lam
+def emulated_forward(emulator, q, k, v, mask, *, order, causal, newton_iter):
+    """(out, rowmax, lambda) of the emulated forward kernel."""
+    fwd, _ = emulated(emulator)(q, k, v, torch.randn_like(q), order=order, causal=causal, scale=0.125, mask=mask,
+                                newton_iter=newton_iter)
+    return fwd
 
 
 @pytest.mark.parametrize("order", [2.0, 4.0])
@@ -83,7 +84,7 @@ def test_same_solver_steps_as_the_reference(emulator, order):
     as tests/ops/test_stieltjes_cuda.py checks on the GPU."""
     q, k, v, mask = solver_inputs(2.0)
     for causal in (False, True):
-        rowmax, lam = emulated_lambda(emulator, q, k, v, mask, order=order, causal=causal, newton_iter=1)
+        _, rowmax, lam = emulated_forward(emulator, q, k, v, mask, order=order, causal=causal, newton_iter=1)
         _, rowmax_ref, lam_ref = reference.stieltjes_forward(q, k, v, mask, causal, 0.125, order, 1)
         assert_close_to_oracle(rowmax, rowmax_ref, atol=1e-5, rtol=1e-6, name="rowmax")
         assert_close_to_oracle(lam, lam_ref, atol=0, rtol=2e-5, name="lambda")
@@ -93,11 +94,13 @@ def test_same_solver_steps_as_the_reference(emulator, order):
 def test_adaptive_extra_steps_as_the_reference(emulator, order, scale):
     """newton_iter < 0 (the public default's form; here one step, then up to two extra): the rows whose last step
     moved lambda by more than 10% take the extra steps and the others keep theirs, as in the reference (fp32
-    rounding apart); rows of the same query block do both."""
+    rounding apart); rows of the same query block do both. The output too: every lane of a row's quad must take the
+    same steps."""
     q, k, v, mask = solver_inputs(scale)
     _, _, one = reference.stieltjes_forward(q, k, v, mask, False, 0.125, order, 1)
-    _, _, want = reference.stieltjes_forward(q, k, v, mask, False, 0.125, order, -1)
+    out_ref, _, want = reference.stieltjes_forward(q, k, v, mask, False, 0.125, order, -1)
     stepped = want != one
     assert 0 < int(stepped.sum()) < stepped.numel()
-    _, lam = emulated_lambda(emulator, q, k, v, mask, order=order, causal=False, newton_iter=-1)
+    out, _, lam = emulated_forward(emulator, q, k, v, mask, order=order, causal=False, newton_iter=-1)
     assert_close_to_oracle(lam, want, atol=0, rtol=2e-5, name="lambda")
+    assert_close_to_oracle(out.float(), out_ref.float(), atol=1e-3, rtol=2e-3, name="out")  # ~1 ulp
