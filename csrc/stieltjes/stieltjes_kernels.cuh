@@ -395,11 +395,12 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
     lam_m[0] = lam[0] - neg_m[0];
     lam_m[1] = lam[1] - neg_m[1];
   };
-  // upper[r] (n^(1/order) > 0) carries in its sign whether the row's last step moved lambda by more than kStepTol
-  // (relative to the new lambda): negative = moved. An extra step takes only those rows, as reference.solve_lambda's
-  // adaptive steps. (No register of its own across the sweeps: the D 64 kernels sit at their 128-register cap.)
+  // upper[r] (n^(1/order) > 0) carries in its sign whether the row takes the next step: negative before each of the
+  // newton_iter steps, then after a step whether it moved lambda by more than kStepTol (relative to the new lambda),
+  // so an extra step takes only those rows, as reference.solve_lambda's adaptive steps. (No register of its own
+  // across the sweeps: the D 64 kernels sit at their 128-register cap.)
   // one solver sweep: the row sums at lam, then solver_step (s2 only for Halley)
-  auto solve = [&](auto halley, bool extra) {
+  auto solve = [&](auto halley) {
     constexpr bool kHalley = decltype(halley)::value;
     float f[2] = {0.f, 0.f}, s1[2] = {0.f, 0.f}, s2[2] = {0.f, 0.f};
     shift_by_max();
@@ -420,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
       f[r] = mma::quad_sum(f[r]);
       s1[r] = mma::quad_sum(s1[r]);
       if constexpr (kHalley) s2[r] = mma::quad_sum(s2[r]);
-      if (cnt[r] > 0.f && (upper[r] < 0.f || !extra)) {
+      if (cnt[r] > 0.f && upper[r] < 0.f) {
         const float up = fabsf(upper[r]);
         const float next = solver_step<kHalley>(lam[r], f[r], s1[r], s2[r], order, inv_order, up);
         upper[r] = fabsf(next - lam[r]) > kStepTol * next ? -up : up;
@@ -430,12 +431,16 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
   };
   const int fixed = abs(p.newton_iter), steps = fixed + (p.newton_iter < 0 ? kMaxExtraSteps : 0);
   for (int it = 0; it < steps; ++it) {
-    const bool extra = it >= fixed;
-    if (extra && !__syncthreads_or(upper[0] < 0.f || upper[1] < 0.f)) break;  // block-uniform: a sweep where needed
-    if constexpr (IORD == 4) solve(std::true_type{}, extra);
-    else if constexpr (IORD == 2) solve(std::false_type{}, extra);
-    else if (order >= kHalleyMinOrder) solve(std::true_type{}, extra);
-    else solve(std::false_type{}, extra);
+    if (it < fixed) {  // every row steps
+      upper[0] = -fabsf(upper[0]);
+      upper[1] = -fabsf(upper[1]);
+    } else if (!__syncthreads_or(upper[0] < 0.f || upper[1] < 0.f)) {
+      break;  // block-uniform: an extra sweep only where a row needs it
+    }
+    if constexpr (IORD == 4) solve(std::true_type{});
+    else if constexpr (IORD == 2) solve(std::false_type{});
+    else if (order >= kHalleyMinOrder) solve(std::true_type{});
+    else solve(std::false_type{});
   }
 
   float o[D / 8][4], l[2] = {0.f, 0.f};
