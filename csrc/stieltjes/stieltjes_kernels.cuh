@@ -429,19 +429,22 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
       }
     }
   };
-  const int fixed = abs(p.newton_iter), steps = fixed + (p.newton_iter < 0 ? kMaxExtraSteps : 0);
-  for (int it = 0; it < steps; ++it) {
-    if (it < fixed) {  // every row steps
-      upper[0] = -fabsf(upper[0]);
-      upper[1] = -fabsf(upper[1]);
-    } else if (!__syncthreads_or(upper[0] < 0.f || upper[1] < 0.f)) {
-      break;  // block-uniform: an extra sweep only where a row needs it
+  const auto steps = [&](auto halley) {
+    const int fixed = abs(p.newton_iter), total = fixed + (p.newton_iter < 0 ? kMaxExtraSteps : 0);
+    for (int it = 0; it < total; ++it) {
+      if (it < fixed) {  // every row steps
+        upper[0] = -fabsf(upper[0]);
+        upper[1] = -fabsf(upper[1]);
+      } else if (!__syncthreads_or(upper[0] < 0.f || upper[1] < 0.f)) {
+        break;  // block-uniform: an extra sweep only where a row needs it
+      }
+      solve(halley);
     }
-    if constexpr (IORD == 4) solve(std::true_type{});
-    else if constexpr (IORD == 2) solve(std::false_type{});
-    else if (order >= kHalleyMinOrder) solve(std::true_type{});
-    else solve(std::false_type{});
-  }
+  };
+  if constexpr (IORD == 4) steps(std::true_type{});
+  else if constexpr (IORD == 2) steps(std::false_type{});
+  else if (order >= kHalleyMinOrder) steps(std::true_type{});
+  else steps(std::false_type{});
 
   float o[D / 8][4], l[2] = {0.f, 0.f};
 #pragma unroll
