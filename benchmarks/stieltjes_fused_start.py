@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from benchmarks.stieltjes_solver import output_error, root_by_bisection, score_rows
+from benchmarks.stieltjes_solver import jensen_start, output_error, root_by_bisection, score_rows
 from hf_attention_backends.ops.stieltjes.reference import solve_lambda, solver_step
 
 SCALES = (0.05, 0.3, 1.0, 2.0, 3.0, 5.0, 7.0, 10.0)
@@ -100,11 +100,6 @@ def newton_and_halley(lam, f, s1, s2, order):
 def reference_step(x: torch.Tensor, lam: torch.Tensor, order: float) -> torch.Tensor:
     """One step of ``solve_lambda`` from lam (every key allowed)."""
     return solver_step(x, lam, order, torch.full_like(lam, x.shape[1] ** (1.0 / order)))
-
-
-def jensen_start(x: torch.Tensor, order: float) -> torch.Tensor:
-    """max(1, n^(1/order) + mean x): Jensen on all n keys (``solve_lambda``'s start before ``start_lambda``)."""
-    return torch.clamp_min(x.shape[1] ** (1.0 / order) + x.mean(dim=-1), 1.0)
 
 
 def solve_top_model(n: int, dist: torch.Tensor, order: float, steps: int = 100) -> torch.Tensor:

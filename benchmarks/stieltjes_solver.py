@@ -98,6 +98,11 @@ def newton_steps_needed(order: float, tol: float, scales=(0.05, 0.3, 1, 2, 3, 5,
     return worst
 
 
+def jensen_start(x: torch.Tensor, order: float) -> torch.Tensor:
+    """max(1, n^(1/order) + mean x): Jensen on all n keys (``solve_lambda``'s start before ``start_lambda``)."""
+    return torch.clamp_min(x.shape[1] ** (1.0 / order) + x.mean(dim=-1), 1.0)
+
+
 def bimodal_row(n: int, near: int, a: float, b: float, spread: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x (1, n) and v (n, 8): the max at 0, `near` keys in [-a - 0.5, -a], the rest in [-b - spread, -b]."""
     gen = torch.Generator().manual_seed(seed)
@@ -124,7 +129,7 @@ def bimodal_study(order: float) -> dict:
                     x, v = bimodal_row(n, near, a, b, 1.0, seed=total)
                     exact = root_by_bisection(x, order)
                     upper = torch.full((1,), n ** (1.0 / order), dtype=torch.float64)
-                    lam = torch.clamp_min(upper + x.mean(dim=-1), 1.0)
+                    lam = jensen_start(x, order)
                     for _ in range(steps):
                         lam = solver_step(x, lam, order, upper)
                     ok = torch.ones_like(x, dtype=torch.bool)

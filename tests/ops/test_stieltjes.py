@@ -127,6 +127,13 @@ def bisect_decreasing(fn, lo, hi, steps=200):
     return (lo + hi) / 2
 
 
+def order4_output_error(x, v, lam, root):
+    """Per row: relative error of the order-4 output at lam against the output at root (float64)."""
+    p, p_root = (lam[:, None] - x) ** -4.0, (root[:, None] - x) ** -4.0
+    out, exact = p @ v / p.sum(-1, keepdim=True), p_root @ v / p_root.sum(-1, keepdim=True)
+    return (out - exact).norm(dim=-1) / exact.norm(dim=-1)
+
+
 def start_rows(n: int) -> torch.Tensor:
     """Score rows x (max 0) of n keys: spread, tied maxima, one dominant key, a few keys just below the max and the
     rest far below, all equal."""
@@ -174,10 +181,7 @@ def test_default_order4_solve_on_a_bimodal_row():
     root = bisect_decreasing(lambda l: ((l[:, None] - x) ** -4.0).sum(-1), torch.ones(1, dtype=torch.float64), upper)
 
     def error(lam):
-        p = (lam[:, None] - x) ** -4.0
-        p_root = (root[:, None] - x) ** -4.0
-        out, exact = p @ v / p.sum(-1, keepdim=True), p_root @ v / p_root.sum(-1, keepdim=True)
-        return float((out - exact).norm() / exact.norm())
+        return float(order4_output_error(x, v, lam, root)[0])
 
     jensen = torch.clamp_min(upper + x.mean(-1), 1.0)
     assert error(reference.solver_step(x, reference.solver_step(x, jensen, 4.0, upper), 4.0, upper)) > 1e-3
@@ -201,9 +205,7 @@ def test_adaptive_solve_takes_extra_steps_only_where_the_last_step_was_large():
     root = bisect_decreasing(lambda l: ((l[:, None] - x) ** -4.0).sum(-1), torch.ones(4, dtype=torch.float64), upper)
 
     def error(lam):
-        p, p_root = (lam[:, None] - x) ** -4.0, (root[:, None] - x) ** -4.0
-        out, exact = p @ v / p.sum(-1, keepdim=True), p_root @ v / p_root.sum(-1, keepdim=True)
-        return (out - exact).norm(dim=-1) / exact.norm(dim=-1)
+        return order4_output_error(x, v, lam, root)
 
     one, two = reference.solve_lambda(x, ok, 4.0, 1), reference.solve_lambda(x, ok, 4.0, 2)
     adaptive = reference.solve_lambda(x, ok, 4.0, -2)
