@@ -193,12 +193,16 @@ SCHEMES = {  # name: (sweeps, what the kernel needs beyond today's stats sweep)
     "A_fit2": (3, "max|k| per head; f, s1 at the pole; per-row solve"),
     "B_2pole": (3, "max|k| per head; f, s1 at 2 poles"),
     "C_laplace": (3, "2 online exp sums (2 MUFU/score), ties at max; per-row quadrature solve"),
+    "default": ("3-5", "the library's adaptive default (order >= 4: one Halley step, more where its error estimate asks)"),
 }
 
 
 def final_lambda(scheme: str, x: torch.Tensor, pole: torch.Tensor, order: float) -> torch.Tensor:
     if scheme in ("ref2", "ref3"):
         return solve_lambda(x, torch.ones_like(x, dtype=torch.bool), order, int(scheme[-1]))
+    if scheme == "default":
+        from hf_attention_backends.ops.stieltjes.op import default_newton_iter
+        return solve_lambda(x, torch.ones_like(x, dtype=torch.bool), order, -default_newton_iter(order))
     if scheme == "jensen2":
         return reference_step(x, reference_step(x, jensen_start(x, order), order), order)
     return reference_step(x, first_iterate(scheme, x, pole, order), order)

@@ -35,7 +35,7 @@ import torch
 from benchmarks.stieltjes_fused_start import first_iterate, final_lambda, laplace_start
 from hf_attention_backends.ops.stieltjes.op import default_newton_iter
 from hf_attention_backends.ops.stieltjes.reference import solve_lambda
-from benchmarks.stieltjes_solver import output_error, root_by_bisection
+from benchmarks.stieltjes_solver import extra_step_rows, output_error, root_by_bisection
 
 SCHEME_NAMES = ("ref2", "jensen2", "ref3", "ref1", "C_laplace", "C_top", "default")
 NO_START = ("ref2", "jensen2", "ref3", "default")  # schemes whose lambda_1 the report does not print
@@ -116,6 +116,25 @@ def positions(tokens: int, stride: int) -> list[int]:
     return sorted({0, 1, 3, 7, *range(stride - 1, tokens, stride), tokens - 1})
 
 
+def extra_step_blocks(q: torch.Tensor, k: torch.Tensor, scale: float, order: float, windows: int = 4,
+                      block: int = 64) -> tuple[float, float]:
+    """(share of rows, share of query blocks) that the adaptive default sends to an extra step, over ``windows``
+    blocks of ``block`` consecutive causal rows spread over the sequence, for every (article and layer, head) of q, k
+    (A*L, H, T, D): a forward kernel block of such rows sweeps the keys once more when any of its rows does."""
+    tokens = q.shape[2]
+    starts = [block + i * (tokens - 2 * block) // max(1, windows - 1) for i in range(windows)]
+    rows = blocks = 0
+    for s0 in starts:
+        hit = torch.zeros(q.shape[0] * q.shape[1], dtype=torch.bool)
+        for i in range(s0, s0 + block):
+            s = torch.einsum("bhd,bhnd->bhn", q[:, :, i], k[:, :, :i + 1]) * scale
+            _, extra = extra_step_rows((s - s.max(dim=-1, keepdim=True).values).reshape(-1, i + 1), order)
+            hit |= extra
+            rows += int(extra.sum())
+        blocks += int(hit.sum())
+    return rows / (len(starts) * block * len(hit)), blocks / (len(starts) * len(hit))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per article (default 1024)")
@@ -124,6 +143,8 @@ def main(argv=None) -> None:
     ap.add_argument("--stride", type=int, default=16, help="sample every stride-th row (default 16)")
     ap.add_argument("--orders", type=float, nargs="+", default=[4.0, 8.0])
     ap.add_argument("--bisect-steps", type=int, default=80, help="exact root: bisection steps (default 80)")
+    ap.add_argument("--blocks", action="store_true",
+                    help="also: rows and 64-row query blocks that the adaptive default steps again")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -234,6 +255,11 @@ def main(argv=None) -> None:
             start = "" if scheme in NO_START else f"lambda_1 {st:.6g} ({st / ex - 1:+.2%}), "
             print(f"  worst {scheme}: err {err:.1e}, n {n}, exact root {ex:.6g}, {start}"
                   f"final {fin:.6g} ({fin / ex - 1:+.1e})")
+    if args.blocks:
+        for order in args.orders:
+            rows, blocks = extra_step_blocks(q_all, k_all, scale, order)
+            print(f"order {order:g}, the adaptive default: {rows:.3f} of the rows and {blocks:.3f} of the 64-row query "
+                  "blocks (4 per article, layer and head) take an extra step")
     print(f"\nran {time.perf_counter() - t0:.0f} s")
 
 

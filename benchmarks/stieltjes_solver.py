@@ -17,6 +17,9 @@ bisection) after 0..max_steps steps of
     python -m benchmarks.stieltjes_solver --bimodal [--order 4]   # rows of two clusters (bimodal_row): the worst
         output error of the default steps from Jensen's start and from start_lambda, of one step more, and of the
         library's adaptive default
+    python -m benchmarks.stieltjes_solver --extra-steps   # Gaussian rows like the benchmarks' (q, k standard normal
+        times scale, N 2,048 to 16,384): how many rows, and 64-row query blocks, the adaptive default sends to an
+        extra step (each such block is one more sweep of the forward kernel), and its worst output error
 """
 from __future__ import annotations
 
@@ -115,7 +118,7 @@ def bimodal_row(n: int, near: int, a: float, b: float, spread: float, seed: int)
 def bimodal_study(order: float) -> dict:
     """{scheme: (worst error, its row's parameters)} over bimodal rows, for the default step count (k) from Jensen's
     start ("jensen"), from start_lambda ("fixed"), k + 1 steps from start_lambda ("one more") and the library's
-    default, k steps and extra ones for rows whose last step was large ("adaptive"); plus how many rows
+    default, k steps and extra ones where needs_another_step asks ("adaptive"); plus how many rows
     start_lambda left worse off than Jensen's after k steps."""
     from hf_attention_backends.ops.stieltjes.op import default_newton_iter
     from hf_attention_backends.ops.stieltjes.reference import solver_step
@@ -145,6 +148,32 @@ def bimodal_study(order: float) -> dict:
     return {**worst, "rows": total, "fixed worse than jensen": worse}
 
 
+def extra_step_rows(x: torch.Tensor, order: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the adaptive default's lambda, whether each row took an extra step) for x (rows, n), every key allowed: the
+    rows whose lambda differs from the default steps' alone."""
+    from hf_attention_backends.ops.stieltjes.op import default_newton_iter
+    ok = torch.ones_like(x, dtype=torch.bool)
+    steps = default_newton_iter(order)
+    lam = solve_lambda(x, ok, order, -steps)
+    return lam, lam != solve_lambda(x, ok, order, steps)
+
+
+def extra_steps_study(orders=(4.0, 8.0), scales=(0.5, 1.0, 1.5, 2.0), sizes=(2048, 4096, 16384), rows: int = 512,
+                      dim: int = 64, block: int = 64) -> list[tuple]:
+    """(order, scale, N, share of rows with an extra step, share of query blocks of ``block`` rows with one, worst
+    relative output error of the adaptive default) on score_rows' Gaussian rows."""
+    out = []
+    for order in orders:
+        for scale in scales:
+            for n in sizes:
+                x, v = score_rows(scale, n, rows, dim, seed=int(10 * scale) + n)
+                lam, extra = extra_step_rows(x, order)
+                err = output_error(x, v, order, lam, root_by_bisection(x, order, steps=100))
+                out.append((order, scale, n, float(extra.double().mean()),
+                            float(extra.view(-1, block).any(-1).double().mean()), err))
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=4096, help="keys per row (default 4096)")
@@ -155,7 +184,15 @@ def main(argv=None) -> None:
     ap.add_argument("--tol", type=float, default=3e-4, help="output error for --steps-needed (default 3e-4)")
     ap.add_argument("--bimodal", action="store_true", help="two-cluster rows: the default solve from both starts")
     ap.add_argument("--order", type=float, default=4.0, help="order for --bimodal (default 4)")
+    ap.add_argument("--extra-steps", action="store_true",
+                    help="Gaussian rows: rows and 64-row blocks the adaptive default steps again")
     args = ap.parse_args(argv)
+    if args.extra_steps:
+        print("| order | scale | N | rows with an extra step | 64-row blocks with one | worst output error |")
+        print("|---|---|---|---|---|---|")
+        for order, scale, n, rows, blocks, err in extra_steps_study():
+            print(f"| {order:g} | {scale:g} | {n} | {rows:.3f} | {blocks:.2f} | {err:.1e} |")
+        return
     if args.bimodal:
         for key, val in bimodal_study(args.order).items():
             print(f"{key}: {val[0]:.1e} ({val[1]})" if isinstance(val, tuple) else f"{key}: {val}")

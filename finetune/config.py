@@ -13,8 +13,8 @@ calibrate: {enabled: true, batches: 2, race_betas: null, stieltjes_orders: null,
             steps: 0, lr: 0.01}
 data:      {source: news | file.jsonl | file.txt | folder, documents: 256, eval_documents: 16, min_chars: 0,
             text_field: text, seq_len: 256, batch_size: 8, eval_batch_size: 8, train_unit: rows | sentences,
-            eval_unit: rows | sentences, teacher_rows: 0, teacher_prompt: 32, teacher_temperature: 1.0,
-            teacher_batch: 64}
+            eval_unit: rows | sentences, shift_windows: false, teacher_rows: 0, teacher_prompt: 32,
+            teacher_temperature: 1.0, teacher_batch: 64}
 transfer:  {steps: 100, lr: 0.01, train: [], train_lr: null}  # train: extra parameter-name substrings, e.g.
                                                               # [q_proj]; train_lr: their lr (null = lr)
 fine_tune: {steps: 200, lr: 1e-4, method: lora | full | none, lora_r: 8, lora_alpha: 16,
@@ -78,7 +78,10 @@ class DataSpec:
     """Local text only; see ``finetune.data.load_documents`` for the accepted sources. ``train_unit`` (training
     documents) and ``eval_unit`` (held-out documents): each document cut into rows of ``seq_len`` tokens
     (``rows``), or one row per sentence (``sentences``, ``finetune.data.split_sentences``; a sentence longer
-    than ``seq_len`` continues in the next row). ``teacher_rows`` (causal LMs): that many extra training rows
+    than ``seq_len`` continues in the next row). ``shift_windows``: from the second epoch on, each training
+    document's rows after its first start a random number of tokens earlier, drawn per epoch and document
+    (``finetune.data.ShiftedRows``: other contexts for the same tokens when the corpus repeats; the number of rows
+    stays fixed). ``teacher_rows`` (causal LMs): that many extra training rows
     sampled from the softmax teacher, each prompted by the first ``teacher_prompt`` tokens of a training row and
     continued to ``seq_len`` at ``teacher_temperature``, ``teacher_batch`` rows at a time (``finetune.synthetic``;
     cached in ``output_dir``). More text where the corpus is small: fine-tuning otherwise repeats it."""
@@ -92,6 +95,7 @@ class DataSpec:
     eval_batch_size: int = 4
     train_unit: str = "rows"
     eval_unit: str = "rows"
+    shift_windows: bool = False
     teacher_rows: int = 0
     teacher_prompt: int = 32
     teacher_temperature: float = 1.0
@@ -318,6 +322,9 @@ def _check(r: Recipe) -> None:
     if r.data.teacher_rows and r.data.train_unit != "rows":
         raise ConfigError(f"data.teacher_rows={r.data.teacher_rows} needs data.train_unit: rows (sampled rows are "
                           f"seq_len tokens long), got {r.data.train_unit!r}")
+    if r.data.shift_windows and r.data.teacher_rows:
+        raise ConfigError(f"data.shift_windows=true with data.teacher_rows={r.data.teacher_rows} is not supported "
+                          "(sampled rows have no document to shift); set one of them off")
     for stage in ("transfer", "fine_tune"):
         spec = getattr(r, stage)
         _positive(f"{stage}.steps", spec.steps, zero_ok=True)

@@ -4,6 +4,7 @@
 ``seq_len`` tokens (a document longer than a row continues in the next row; its last, shorter row is
 padded on the right). A row holds tokens of exactly one document, so no packed row, restarting
 ``position_ids`` or cross-document attention can occur (the adapters refuse packed rows anyway).
+:class:`ShiftedRows` moves the rows' boundaries every epoch (``data.shift_windows``).
 :func:`split_sentences` and :func:`texts_in_unit` turn documents into sentences, one row each (the ``sentences``
 unit of ``data.train_unit`` / ``data.eval_unit``).
 The ``datasets`` package is not needed.
@@ -81,21 +82,38 @@ def tokenize_rows(documents: Sequence[str], tokenizer, seq_len: int, *, min_toke
     ``labels`` (input_ids with -100 at padding) and ``doc_index`` (R,) long: the document of each row.
     Rows with fewer than ``min_tokens`` real tokens (a document's short tail) are dropped.
     """
-    pad = tokenizer.pad_token_id
-    if pad is None:
+    return rows_from_tokens([encode(tokenizer, text) for text in documents], _pad_id(tokenizer), seq_len,
+                            min_tokens=min_tokens)
+
+
+def _pad_id(tokenizer) -> int:
+    if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad_token_id; set one (e.g. the eos token)")
+    return tokenizer.pad_token_id
+
+
+def row_starts(length: int, seq_len: int, *, min_tokens: int = 2, shift: int = 0) -> list[int]:
+    """Start positions of the rows of a document of ``length`` tokens: 0, then every ``seq_len`` tokens, less
+    ``shift`` (0 <= shift < seq_len) after the first row. The count does not depend on ``shift`` (the rows of
+    ``shift`` 0 that hold at least ``min_tokens`` tokens); a shift makes the second and later rows overlap the
+    first by ``shift`` tokens and leaves out up to ``shift`` tokens at the document's end."""
+    count = sum(1 for start in range(0, length, seq_len) if length - start >= min_tokens)
+    return [0 if k == 0 else k * seq_len - shift for k in range(count)]
+
+
+def rows_from_tokens(doc_tokens: Sequence[Sequence[int]], pad: int, seq_len: int, *, min_tokens: int = 2,
+                     shifts: Sequence[int] | None = None) -> dict:
+    """:func:`tokenize_rows` from token ids; ``shifts``: per document, the ``shift`` of :func:`row_starts`
+    (None: 0 for every document)."""
     ids, masks, doc_index = [], [], []
-    for d, text in enumerate(documents):
-        tokens = encode(tokenizer, text)
-        for start in range(0, len(tokens), seq_len):
-            chunk = tokens[start:start + seq_len]
-            if len(chunk) < min_tokens:
-                continue
+    for d, tokens in enumerate(doc_tokens):
+        for start in row_starts(len(tokens), seq_len, min_tokens=min_tokens, shift=shifts[d] if shifts else 0):
+            chunk = list(tokens[start:start + seq_len])
             ids.append(chunk + [pad] * (seq_len - len(chunk)))
             masks.append([1] * len(chunk) + [0] * (seq_len - len(chunk)))
             doc_index.append(d)
     if not ids:
-        raise ValueError(f"no row of >= {min_tokens} tokens from {len(documents)} documents")
+        raise ValueError(f"no row of >= {min_tokens} tokens from {len(doc_tokens)} documents")
     input_ids = torch.tensor(ids, dtype=torch.long)
     attention_mask = torch.tensor(masks, dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": attention_mask,
@@ -114,6 +132,32 @@ class RowDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {k: v[i] for k, v in self.rows.items()}
+
+
+class ShiftedRows(RowDataset):
+    """The rows of :func:`tokenize_rows` whose boundaries move every epoch (``data.shift_windows``): at epoch e > 0
+    each document's rows after its first start ``shift`` tokens earlier (:func:`row_starts`), with ``shift`` drawn
+    per document from ``torch.Generator().manual_seed(seed + epoch)``; epoch 0 is :func:`tokenize_rows`' rows. The
+    number of rows and each row's document stay fixed, so the sampler, the data position of a checkpoint and the
+    processes' shards are those of a :class:`RowDataset`; the rows depend on ``(seed, epoch)`` only. A small
+    corpus repeated over many epochs then shows the model other contexts for the same tokens."""
+
+    def __init__(self, documents: Sequence[str], tokenizer, seq_len: int, seed: int):
+        self.tokens = [encode(tokenizer, text) for text in documents]
+        self.pad, self.seq_len, self.seed, self.epoch = _pad_id(tokenizer), seq_len, seed, 0
+        super().__init__(rows_from_tokens(self.tokens, self.pad, seq_len))
+
+    def set_epoch(self, epoch: int) -> None:
+        """The rows of ``epoch`` (called by ``finetune.train.run_stage`` before each pass over the data)."""
+        if epoch == self.epoch:
+            return
+        shifts = None
+        if epoch > 0:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            shifts = torch.randint(0, self.seq_len, (len(self.tokens),), generator=generator).tolist()
+        self.rows = {k: v for k, v in rows_from_tokens(self.tokens, self.pad, self.seq_len, shifts=shifts).items()
+                     if k != "doc_index"}
+        self.epoch = epoch
 
 
 _SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')]))\s+(?=[\"'(]?[A-Z0-9£$€])")

@@ -63,7 +63,7 @@ from hf_attention_backends.calibrate import TeacherForcing, calibrate, converted
 
 from .checkpoint import EpochSampler, check_compatible, read_state, resolve_resume, save_checkpoint
 from .config import ConfigError, Recipe, load_recipe
-from .data import RowDataset, load_documents, split_documents, texts_in_unit, tokenize_rows
+from .data import RowDataset, ShiftedRows, load_documents, split_documents, texts_in_unit, tokenize_rows
 from .logs import RunLog, plot_curves, stage_rank, tensorboard_writer_class
 from .models import load_model
 from .synthetic import concat_rows, teacher_rows
@@ -290,6 +290,20 @@ class BestKeeper:
         self.saved = torch.load(Path(path) / f"best-{process}.pt")
 
 
+def set_data_epoch(loader, prepared, epoch: int) -> None:
+    """The epoch of the next pass over ``loader`` (prepared by accelerate as ``prepared``): its
+    :class:`EpochSampler`'s order and its :class:`finetune.data.ShiftedRows`' rows. accelerate's loader sets its
+    sampler's epoch from its own pass counter at the start of each pass, and a ``skip_first_batches`` copy starts
+    from the original's counter, so the counter is set too: else a resume past the first epoch would replay
+    another epoch's order."""
+    if hasattr(prepared, "set_epoch"):
+        prepared.set_epoch(epoch)
+    if isinstance(loader.sampler, EpochSampler):
+        loader.sampler.set_epoch(epoch)
+    if isinstance(loader.dataset, ShiftedRows):
+        loader.dataset.set_epoch(epoch)
+
+
 def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: int, lr: float, recipe: Recipe,
               log: Optional[RunLog], evaluate_fn, *, save: Optional[Callable[[dict, Optional[BestKeeper]], None]] = None,
               resume: Optional[tuple[Path, dict]] = None,
@@ -300,7 +314,8 @@ def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: in
     Warm-up + cosine schedule, clipping at ``train.clip`` (0 = none; the gradient norm is logged either way),
     ``train.grad_accum`` micro-batches per step; every ``train.log_every`` steps a log row (loss averaged over
     the step's micro-batches and the processes), every ``train.eval_every`` an evaluation (0 = never). When
-    ``loader.sampler`` is an :class:`EpochSampler` its epoch is set before each pass over the data.
+    ``loader.sampler`` is an :class:`EpochSampler` (or ``loader.dataset`` a :class:`finetune.data.ShiftedRows`) its
+    epoch is set before each pass over the data (:func:`set_data_epoch`).
 
     save: called with the position (stage, step, epoch, batch_in_epoch, scheduler state, losses, the best
     evaluation's step and metrics) and the BestKeeper (or None, to write its copy with the checkpoint) every
@@ -333,13 +348,11 @@ def run_stage(stage: str, accelerator, model, params, loss_fn, loader, steps: in
         step, epoch, skip, losses = state["step"], state["epoch"], state["batch_in_epoch"], list(state["losses"])
         if best is not None and state.get("best"):
             best.read(path, accelerator.process_index, state["best"])
-    sampler = getattr(loader, "sampler", None)
     wrapped.train()
     bar = tqdm(total=steps, initial=step, desc=stage, disable=not accelerator.is_local_main_process)
     micro, tokens, since = [], 0, time.time()
     while step < steps:
-        if isinstance(sampler, EpochSampler):
-            sampler.set_epoch(epoch)
+        set_data_epoch(loader, prepared, epoch)
         batch_in_epoch = skip
         for batch in accelerator.skip_first_batches(prepared, skip) if skip else prepared:
             batch_in_epoch += 1
@@ -447,20 +460,23 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     documents = load_documents(d.source, d.documents + d.eval_documents, min_chars=d.min_chars,
                                text_field=d.text_field)
     train_docs, eval_docs = split_documents(documents, d.eval_documents)
-    train_tokens = tokenize_rows(texts_in_unit(train_docs, d.train_unit), tokenizer, d.seq_len)
+    train_texts = texts_in_unit(train_docs, d.train_unit)
+    train_tokens = None if d.shift_windows else tokenize_rows(train_texts, tokenizer, d.seq_len)
     eval_rows = RowDataset(tokenize_rows(texts_in_unit(eval_docs, d.eval_unit), tokenizer, d.seq_len))
     c = recipe.convert
     student = hfab.convert(teacher, c.backend, c.layers, **c.options)
     teacher.to(accelerator.device).requires_grad_(False)
     student.to(accelerator.device)
-    if d.teacher_rows:
+    if d.teacher_rows:  # never with shift_windows (config check)
         train_tokens = concat_rows(train_tokens, teacher_rows(accelerator, teacher, tokenizer, train_tokens, d,
                                                               d.seq_len, recipe.seed, out_dir, recipe.model.name, log))
-    train_rows = RowDataset(train_tokens)
+    train_rows = ShiftedRows(train_texts, tokenizer, d.seq_len, recipe.seed) if d.shift_windows else \
+        RowDataset(train_tokens)
     # own generators: iterating a loader draws its base seed from them, not from the global RNG
     train_loader = torch.utils.data.DataLoader(train_rows, batch_size=d.batch_size,
                                                sampler=EpochSampler(len(train_rows), recipe.seed),
                                                generator=torch.Generator().manual_seed(recipe.seed))
+    first_rows = next(iter(torch.utils.data.DataLoader(train_rows, d.batch_size)))  # epoch 0's, for drop_unused
     eval_loader = torch.utils.data.DataLoader(eval_rows, batch_size=d.eval_batch_size,
                                               generator=torch.Generator().manual_seed(recipe.seed))
     log.event(event="data", train_rows=len(train_rows), eval_rows=len(eval_rows), train_documents=len(train_docs),
@@ -584,7 +600,6 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
                     loss = loss + ft.embedding_weight * embedding_loss(accelerator, out, ref, mask)
             return loss
 
-        first_rows = next(iter(torch.utils.data.DataLoader(train_rows, d.batch_size)))
         params, unused = drop_unused(accelerator, model, params, finetune_loss,
                                      {k: v.to(accelerator.device) for k, v in first_rows.items()})
         if unused:

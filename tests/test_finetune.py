@@ -14,8 +14,8 @@ from transformers.modeling_outputs import BaseModelOutput
 import hf_attention_backends as hfab
 from hf_attention_backends.calibrate import TeacherForcing, converted_layers, forward_kwargs
 from finetune.config import ConfigError, Recipe, load_recipe, recipe_from_dict
-from finetune.data import (ByteTokenizer, encode, load_documents, split_documents, split_sentences, texts_in_unit,
-                           tokenize_rows)
+from finetune.data import (ByteTokenizer, ShiftedRows, encode, load_documents, row_starts, split_documents,
+                           split_sentences, texts_in_unit, tokenize_rows)
 from finetune.models import load_model
 from finetune.checkpoint import EpochSampler, check_compatible, list_checkpoints, resolve_resume
 from finetune.logs import CSV_COLUMNS, RunLog, read_csv
@@ -57,6 +57,8 @@ def test_shipped_recipes_validate(name):
     ({"data": {"teacher_rows": 4, "train_unit": "sentences"}}, r"data.teacher_rows=4 needs data.train_unit: rows"),
     ({"data": {"teacher_rows": -1}}, r"data.teacher_rows=-1 must be >= 0"),
     ({"data": {"teacher_temperature": 0}}, r"data.teacher_temperature=0.0 must be > 0"),
+    ({"data": {"shift_windows": True, "teacher_rows": 4}}, r"data.shift_windows=true with data.teacher_rows=4 is no"),
+    ({"data": {"shift_windows": "yes"}}, r"data.shift_windows must be a bool, got str"),
 ])
 def test_config_validation_errors(data, match):
     with pytest.raises(ConfigError, match=match):
@@ -127,6 +129,41 @@ def test_rows_never_cross_documents():
         full = tok.encode(text)
         kept = full if len(full) % 8 != 1 else full[:-1]
         assert rebuilt.get(d, []) == kept
+
+
+@pytest.mark.parametrize("length", [1, 2, 9, 16, 17, 40])
+def test_shifted_row_starts_keep_the_count_and_the_first_row(length):
+    plain = row_starts(length, 8)
+    assert plain == [start for start in range(0, length, 8) if length - start >= 2]  # tokenize_rows' rows
+    for shift in range(8):
+        starts = row_starts(length, 8, shift=shift)
+        assert len(starts) == len(plain) and starts[:1] == plain[:1]
+        assert all(b - a == (8 - shift if a == 0 else 8) for a, b in zip(starts, starts[1:]))
+        assert all(length - start >= 2 for start in starts)  # every row keeps >= min_tokens real tokens
+
+
+def test_shifted_rows_move_every_epoch_within_their_documents():
+    tok = ByteTokenizer()
+    docs = [text[:n] for text, n in zip(load_documents("news", 5), [3, 40, 200, 333, 90])]
+    rows = ShiftedRows(docs, tok, seq_len=32, seed=7)
+    plain = tokenize_rows(docs, tok, 32)
+    assert torch.equal(rows.rows["input_ids"], plain["input_ids"])  # epoch 0: the unshifted rows
+    seen = []
+    for epoch in (1, 2, 1):
+        rows.set_epoch(epoch)
+        ids, mask = rows.rows["input_ids"], rows.rows["attention_mask"]
+        assert len(rows) == len(plain["input_ids"]) and torch.equal(rows.rows["labels"], ids.masked_fill(mask == 0, -100))
+        for r, d in enumerate(plain["doc_index"].tolist()):  # each row: a slice of its own document
+            n = int(mask[r].sum())
+            real, full = ids[r, :n].tolist(), tok.encode(docs[d])
+            assert any(full[i:i + n] == real for i in range(len(full) - n + 1)), f"epoch {epoch} row {r}"
+            if r == 0 or plain["doc_index"][r - 1] != d:
+                assert real == full[:n], "a document's first row starts at its start"
+        seen.append(ids.clone())
+    assert not torch.equal(seen[0], plain["input_ids"]) and not torch.equal(seen[0], seen[1])
+    assert torch.equal(seen[0], seen[2]), "the rows depend on (seed, epoch) only"
+    rows.set_epoch(0)
+    assert torch.equal(rows.rows["input_ids"], plain["input_ids"])
 
 
 def test_split_sentences_keeps_closing_quotes_and_numbers():
@@ -491,6 +528,40 @@ def test_checkpoint_resumes_to_the_identical_next_step(tmp_path, monkeypatch, ke
     assert set(losses) == {(s, float(i)) for s in ("transfer", "fine_tune") for i in (1, 2, 3)}
     assert list(read_csv(first / "log.csv")[0]) == ["step", "stage", "ppl", "elapsed_s"]  # teacher row
     assert (first / "curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shift", [True, False])
+def test_resume_past_the_first_epoch_with_and_without_shifted_windows(tmp_path, shift):
+    """Two documents in 8 rows of 512 tokens, batches of 4: each stage's 5 steps pass epochs 0, 1 and 2; a resume
+    inside epoch 1 of the fine-tune stage ends bitwise where the uninterrupted run ended (with and without shifted
+    windows: accelerate's loader once replayed epoch 0's order there), and from epoch 1 on the shifted run trains
+    on other rows than the plain one."""
+    def recipe(out_dir, shift):
+        r = smoke_recipe(out_dir, plot=False)
+        r.data.documents, r.data.eval_documents, r.data.seq_len = 2, 1, 512
+        r.data.batch_size, r.data.eval_batch_size, r.data.shift_windows = 4, 4, shift
+        r.transfer.steps = r.fine_tune.steps = 5
+        r.train.save_every = 3
+        return r
+
+    first = tmp_path / "first"
+    summary = run(recipe(first, shift))
+    events = [json.loads(line) for line in (first / "log.jsonl").read_text().splitlines()]
+    assert next(e for e in events if e.get("event") == "data")["train_rows"] == 8
+    again = tmp_path / "again"
+    shutil.copytree(first, again)
+    assert run(recipe(again, shift), resume=str(again / "checkpoints" / "fine_tune-000003")) == summary
+    assert comparable(read_csv(again / "log.csv")) == comparable(read_csv(first / "log.csv"))
+    assert torch.equal(torch.load(again / "probe.pt")["output"], torch.load(first / "probe.pt")["output"])
+    if not shift:
+        return
+    plain = tmp_path / "plain"
+    run(recipe(plain, False))
+    losses = [[r["loss"] for r in read_csv(path / "log.csv") if r.get("stage") == "transfer" and r.get("loss")]
+              for path in (first, plain)]
+    assert losses[0][:2] == losses[1][:2], "epoch 0 has the plain rows"
+    assert all(a != b for a, b in zip(losses[0][2:], losses[1][2:]))
 
 
 @pytest.mark.slow

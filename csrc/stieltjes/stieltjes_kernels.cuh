@@ -4,8 +4,8 @@
 // aligned: query i sees key j <= i + Nk - Nq; key padding; GQA query head h reads kv head h / groups),
 // x = s - rowmax, lambda solves sum_j (lambda - x_j)^(-order) = 1 (Newton, or clamped Halley at order >= 4, on
 // f^(-1/order) - 1 from start_lambda, newton_iter steps, clamp >= 1: the reference's solver step for step; newton_iter
-// < 0: -newton_iter steps, then up to kMaxExtraSteps more for the rows whose last step moved lambda by more than
-// kStepTol, a block sweeping the keys again only when one of its rows needs it),
+// < 0: -newton_iter steps, then up to kMaxExtraSteps more for the rows whose last step may have left them short of
+// the root (needs_another_step), a block sweeping the keys again only when one of its rows needs it),
 // P = (lambda - x)^(-order), out = P v / sum P. Backward at the saved lambda (implicit function theorem):
 // r = (lambda - x)^(-order-1), delta = sum dP r / sum r, dS = order r (dP - delta), dq = scale dS k,
 // dk = scale dS^T q, dv = (P / sum P)^T dO. Rows with no allowed key: out 0, rowmax 0, lambda 1, no gradient.
@@ -89,12 +89,14 @@ __device__ __forceinline__ float powers(float y, float order, float& p, float& r
 constexpr float kHalleyMinOrder = 4.f;  // reference.HALLEY_MIN_ORDER: clamped Halley steps from this order, Newton below
 
 // One solver step of reference.solve_lambda from a row's sums f = sum y^-order, s1 = sum y^(-order-1) and, for
-// HALLEY, s2 = sum y^(-order-2); upper = n^(1/order), above the root.
+// HALLEY, s2 = sum y^(-order-2); upper = n^(1/order), above the root. newton: the step's Newton iterate (both
+// clamped >= 1, as reference.solver_iterates), for needs_another_step.
 template <bool HALLEY>
 __device__ __forceinline__ float solver_step(float lam, float f, float s1, float s2, float order, float inv_order,
-                                             float upper) {
+                                             float upper, float& newton) {
   const float w = exp2f(__log2f(f) * inv_order);
-  float next = lam + f * (w - 1.f) / s1;  // Newton: never passes the root
+  newton = lam + f * (w - 1.f) / s1;  // never passes the root
+  float next = newton;
   if constexpr (HALLEY) {
     const float den = 2.f * s1 * s1 + (w - 1.f) * (order + 1.f) * (s1 * s1 - f * s2);
     if (den > 0.f) {
@@ -102,12 +104,22 @@ __device__ __forceinline__ float solver_step(float lam, float f, float s1, float
       if (halley > next) next = fmaxf(next, fminf(halley, upper));
     }
   }
+  newton = fmaxf(1.f, newton);
   return fmaxf(1.f, next);
 }
 
 constexpr int kStartSteps = 6;  // reference.START_STEPS
 constexpr float kStepTol = 0.1f;  // reference.STEP_TOL
+constexpr float kHalleyTol = 3e-4f;  // reference.HALLEY_TOL
 constexpr int kMaxExtraSteps = 2;  // reference.MAX_EXTRA_STEPS
+
+// reference.needs_another_step: whether the step lam -> next (newton: its Newton iterate) may leave the row short of
+// the root: a Halley step's error estimate |next - newton| |next - lam| above kHalleyTol next^2, a Newton step's move
+// above kStepTol next.
+__device__ __forceinline__ bool needs_another_step(float next, float newton, float lam) {
+  const float moved = fabsf(next - lam);
+  return next != newton ? fabsf(next - newton) * moved > kHalleyTol * next * next : moved > kStepTol * next;
+}
 
 // reference.start_lambda from a row's allowed-key count n and mean score below the max mean_x (<= 0), with upper =
 // n^(1/order): Jensen's bound max(1, upper + mean_x), then Newton steps on h^(-1/order) - 1 with h = lambda^-order
@@ -396,8 +408,8 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
     lam_m[1] = lam[1] - neg_m[1];
   };
   // upper[r] (n^(1/order) > 0) carries in its sign whether the row takes the next step: negative before each of the
-  // newton_iter steps, then after a step whether it moved lambda by more than kStepTol (relative to the new lambda),
-  // so an extra step takes only those rows, as reference.solve_lambda's adaptive steps. (No register of its own
+  // newton_iter steps, then after a step whether the row needs another (needs_another_step), so an extra step takes
+  // only those rows, as reference.solve_lambda's adaptive steps. (No register of its own
   // across the sweeps: the D 64 kernels sit at their 128-register cap.)
   // one solver sweep: the row sums at lam, then solver_step (s2 only for Halley)
   auto solve = [&](auto halley) {
@@ -423,8 +435,9 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
       if constexpr (kHalley) s2[r] = mma::quad_sum(s2[r]);
       if (cnt[r] > 0.f && upper[r] < 0.f) {
         const float up = fabsf(upper[r]);
-        const float next = solver_step<kHalley>(lam[r], f[r], s1[r], s2[r], order, inv_order, up);
-        upper[r] = fabsf(next - lam[r]) > kStepTol * next ? -up : up;
+        float newton;
+        const float next = solver_step<kHalley>(lam[r], f[r], s1[r], s2[r], order, inv_order, up, newton);
+        upper[r] = needs_another_step(next, newton, lam[r]) ? -up : up;
         lam[r] = next;
       }
     }

@@ -30,9 +30,10 @@ class NystromConfig:
 
 @dataclass(frozen=True)
 class StieltjesConfig:
-    """order (>= 1; 4 by default), newton_iter (>= 1; None: the order's default, 2 Halley steps at order >= 4, else 4
-    Newton steps, then extra steps for rows that need them, see ``stieltjes_attention``), per_head_temperature (after convert: one learnable score temperature per query head,
-    initialised to 1, multiplying the scores, i.e. the effective scale)."""
+    """order (>= 1; 4 by default), newton_iter (>= 1; None: the order's default, 1 Halley step at order >= 4, else 4
+    Newton steps, then extra steps for rows that need them, see ``stieltjes_attention``), per_head_temperature (after
+    convert: one learnable score temperature per query head, initialised to 1, multiplying the scores, i.e. the
+    effective scale)."""
     order: float = 4.0
     newton_iter: Optional[int] = None
     per_head_temperature: bool = False

@@ -93,9 +93,9 @@ def test_same_solver_steps_as_the_reference(emulator, order):
 @pytest.mark.parametrize("order, scale", [(4.0, 2.0), (2.0, 3.0)])
 def test_adaptive_extra_steps_as_the_reference(emulator, order, scale):
     """newton_iter < 0 (the public default's form; here one step, then up to two extra): the rows whose last step
-    moved lambda by more than 10% take the extra steps and the others keep theirs, as in the reference (fp32
-    rounding apart); rows of the same query block do both. The output too: every lane of a row's quad must take the
-    same steps."""
+    may have left them short (reference.needs_another_step: a Halley step's error estimate, a Newton step's length)
+    take the extra steps and the others keep theirs, as in the reference (fp32 rounding apart); rows of the same
+    query block do both. The output too: every lane of a row's quad must take the same steps."""
     q, k, v, mask = solver_inputs(scale)
     _, _, one = reference.stieltjes_forward(q, k, v, mask, False, 0.125, order, 1)
     out_ref, _, want = reference.stieltjes_forward(q, k, v, mask, False, 0.125, order, -1)

@@ -63,13 +63,14 @@ stieltjes_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def default_newton_iter(order: float) -> int:
-    """The solver steps that keep the output within 1e-3 (relative) of the exact-root output at this order: 2 clamped
-    Halley steps for order >= 4, 4 Newton steps below, from ``reference.start_lambda``. Each is at least the most
-    any case of ``python -m benchmarks.stieltjes_solver --steps-needed`` needed to reach 3e-4 (scores of standard
-    normal q, k times 0.05..10, N 1..16384, float64: 3 to 4 Newton steps at orders 1 to 3; from Jensen's start
-    they were 4 to 6), and SmolLM2's real score rows stay within it (``benchmarks.stieltjes_real_rows``;
-    ``csrc/stieltjes/NOTES.md``, "Steps per order")."""
-    return 2 if order >= reference.HALLEY_MIN_ORDER else 4
+    """The solver steps of the adaptive default (the op's newton_iter = -default_newton_iter(order): these steps,
+    then extra ones where ``reference.needs_another_step`` says a row needs them), which keep the output within
+    1e-3 (relative) of the exact-root output: 1 clamped Halley step for order >= 4 (its error estimate decides the
+    rest: ``csrc/stieltjes/NOTES.md``, "One Halley step and an error estimate"), 4 Newton steps below, from
+    ``reference.start_lambda`` (below order 4 at least the most any case of ``python -m benchmarks.stieltjes_solver
+    --steps-needed`` needed to reach 3e-4: 3 to 4 Newton steps at orders 1 to 3). A fixed count of 1 Halley step
+    is not accurate on its own: pass an explicit newton_iter of 2 or more for a fixed count."""
+    return 1 if order >= reference.HALLEY_MIN_ORDER else 4
 
 
 def _check_args(q, k, v, order, newton_iter, scale, key_padding_mask):
@@ -113,12 +114,12 @@ def stieltjes_attention(q: Tensor, k: Tensor, v: Tensor, *, order: float = 4.0, 
             query head h reads kv head h // (Hq / Hkv)).
         order: the power, a finite number >= 1 (default 4.0).
         newton_iter: solver steps for lambda (clamped Halley at order >= 4, Newton below), 1..100; None
-            (default): ``default_newton_iter(order)`` steps (2 at order >= 4, else 4), then up to 2 more for the
-            rows whose last step moved lambda by more than 10% (rare rows, e.g. a cluster of keys well below the
-            max and a far tail; the CUDA kernel sweeps the keys again only for query blocks with such a row).
-            That keeps the output within 1e-3 (relative, fp32 compute) of the output at the exact root for scores
-            of q, k up to 10x standard normal and on SmolLM2's attention rows (each step is one more pass over
-            the keys in the CUDA kernel).
+            (default): ``default_newton_iter(order)`` steps (1 at order >= 4, else 4), then up to 2 more for the
+            rows whose last step may have left them short of the root (``reference.needs_another_step``: a Halley
+            step's error estimate above 3e-4, a Newton step's move above 10%; the CUDA kernel sweeps the keys again
+            only for query blocks with such a row). That keeps the output within 1e-3 (relative, fp32 compute)
+            of the output at the exact root for scores of q, k up to 10x standard normal and on SmolLM2's
+            attention rows (each step is one more pass over the keys in the CUDA kernel).
         causal: bottom-right aligned causal mask (query i sees keys j <= i + Nk - Nq).
         scale: score scale, default D**-0.5.
         key_padding_mask: optional (B, Nk) bool, True = real key.
