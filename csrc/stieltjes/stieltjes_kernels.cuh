@@ -186,7 +186,7 @@ __device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const uint32_t (&a)
 // The same with A rows [r0, r0 + 16) of a shared tile (fragments by ldmatrix.x4 per 16-column chunk).
 template <int NT, int RA, int ROWS, int D, typename T>
 __device__ __forceinline__ void mma_abt_smem(float (&acc)[NT][4], const HTile<RA, D>& ta, int r0,
-                                             const HTile<ROWS, D>& t, int lane) {
+                                             const HTile<ROWS, D>& t, int lane, int t_row0 = 0) {
   static_assert(NT % 2 == 0 && 8 * NT <= ROWS, "tile shapes");
   // A matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
   const int arow = r0 + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
@@ -200,7 +200,7 @@ __device__ __forceinline__ void mma_abt_smem(float (&acc)[NT][4], const HTile<RA
 #pragma unroll
     for (int jj = 0; jj < NT / 2; ++jj) {
       uint32_t bf[4];
-      mma::ldsm_x4(bf, &t.h[16 * jj + brow][16 * kc + bcol]);
+      mma::ldsm_x4(bf, &t.h[t_row0 + 16 * jj + brow][16 * kc + bcol]);
       mma16816<T>(acc[2 * jj], a, bf[0], bf[1]);
       mma16816<T>(acc[2 * jj + 1], a, bf[2], bf[3]);
     }
@@ -255,8 +255,9 @@ __device__ __forceinline__ bool all_allowed(const Params& p, int q0, int rows, i
 }
 
 // Raw scores (q.k, unscaled) of rows r0 + g, r0 + g + 8 x keys k0 + [0, 8 NT) in the mma accumulator layout:
-// -inf where the pair is not allowed (kbias: the key tile's 0 / -inf bias). With scale > 0, scale s - rowmax
-// stays -inf there, so lambda - x is +inf and y^(-order) is 0: no other per-element mask work.
+// -inf where the pair is not allowed (kbias: the key tile's 0 / -inf bias, or nullptr where every key of the tile is
+// real: tile_needs_bias). With scale > 0, scale s - rowmax stays -inf there, so lambda - x is +inf and y^(-order) is
+// 0: no other per-element mask work.
 template <int NT>
 __device__ __forceinline__ void mask_raw(float (&s)[NT][4], const Params& p, const float* kbias, int r0, int k0,
                                          int lane) {
@@ -267,8 +268,21 @@ __device__ __forceinline__ void mask_raw(float (&s)[NT][4], const Params& p, con
     for (int e = 0; e < 4; ++e) {
       const int i = r0 + g + 8 * (e / 2), col = 8 * j + c + (e % 2);
       const bool ok = i < p.nq && (!p.causal || k0 + col <= i + off);
-      s[j][e] = ok ? s[j][e] + kbias[col] : -inf();
+      s[j][e] = ok ? s[j][e] + (kbias != nullptr ? kbias[col] : 0.f) : -inf();
     }
+}
+
+// Whether key tile [k0, k0 + BK) holds a padding key or one past the keys, i.e. needs its load_bias (elsewhere every
+// bias is 0: the tile's is neither stored nor read).
+template <int BK> __device__ __forceinline__ bool tile_needs_bias(const Params& p, int k0) {
+  return p.kpm != nullptr || k0 + BK > p.nk;
+}
+
+// The key sub-tiles [k0, k0 + cols) with k0 + cols <= interior_end(p, r0, rows) are interior for rows
+// [r0, r0 + rows): all_allowed(p, r0, rows, k0, cols) for every k0 >= 0, in one compare per sub-tile.
+__device__ __forceinline__ int interior_end(const Params& p, int r0, int rows) {
+  if (p.kpm != nullptr || r0 + rows > p.nq) return 0;
+  return p.causal ? min(p.nk, r0 + p.nk - p.nq + 1) : p.nk;
 }
 
 template <int BK>
@@ -312,15 +326,17 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
   a_frags(qf, sm.u.q, 16 * warp, lane);
 
   const int tiles = (key_end(p, q0, BQ) + BK - 1) / BK, warp_keys = key_end(p, r0, 16);
+  const int warp_interior = interior_end(p, r0, 16);
   auto issue = [&](bool with_v, int tile) {
     const int buf = tile & 1, k0 = tile * BK;
     load_rows_async(sm.k[buf], k, p.sk.n, k0, p.nk);
     if (with_v) load_rows_async(sm.u.v[buf], v, p.sv.n, k0, p.nk);
-    load_bias<BK>(sm.kbias[buf], p, b, k0);
+    if (tile_needs_bias<BK>(p, k0)) load_bias<BK>(sm.kbias[buf], p, b, k0);
   };
   // body(s, buf, koff, all): s = raw q.k of this warp's 16 rows x keys koff + [0, KS) of the tile in buffer buf,
-  // -inf where not allowed; all: every pair of the warp's sub-tile is allowed. Sub-tiles past the warp's last
-  // visible key (causal) are skipped: all their pairs are masked.
+  // -inf where not allowed; all: every pair of the warp's sub-tile is allowed. The body is inlined on each path (the
+  // interior one without a join that would copy the masked path's scores into the same registers). Sub-tiles past
+  // the warp's last visible key (causal) are skipped: all their pairs are masked.
   auto sweep = [&](bool with_v, auto&& body) {
     if (tiles == 0) return;
     __syncthreads();  // readers of the previous sweep's buffers (and of q, aliased with v) are done
@@ -336,9 +352,12 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
         if (k0 >= warp_keys) break;  // warp-uniform
         float s[NT][4];
         mma_abt<NT, BK, D, T>(s, qf, sm.k[buf], lane, koff);
-        const bool all = all_allowed(p, r0, 16, k0, KS);  // warp-uniform: interior sub-tiles skip the mask
-        if (!all) mask_raw(s, p, sm.kbias[buf] + koff, r0, k0, lane);
-        body(s, buf, koff, all);
+        if (k0 + KS <= warp_interior) {  // warp-uniform: interior sub-tiles skip the mask
+          body(s, buf, koff, true);
+        } else {
+          mask_raw(s, p, tile_needs_bias<BK>(p, tile * BK) ? sm.kbias[buf] + koff : nullptr, r0, k0, lane);
+          body(s, buf, koff, false);
+        }
       }
     }
   };
@@ -423,19 +442,22 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
       }
     }
   };
-  const int fixed = abs(p.newton_iter), steps = fixed + (p.newton_iter < 0 ? kMaxExtraSteps : 0);
-  for (int it = 0; it < steps; ++it) {
-    if (it < fixed) {  // every row steps
-      upper[0] = -fabsf(upper[0]);
-      upper[1] = -fabsf(upper[1]);
-    } else if (!__syncthreads_or(upper[0] < 0.f || upper[1] < 0.f)) {
-      break;  // block-uniform: an extra sweep only where a row needs it
+  const auto steps = [&](auto halley) {
+    const int fixed = abs(p.newton_iter), total = fixed + (p.newton_iter < 0 ? kMaxExtraSteps : 0);
+    for (int it = 0; it < total; ++it) {
+      if (it < fixed) {  // every row steps
+        upper[0] = -fabsf(upper[0]);
+        upper[1] = -fabsf(upper[1]);
+      } else if (!__syncthreads_or(upper[0] < 0.f || upper[1] < 0.f)) {
+        break;  // block-uniform: an extra sweep only where a row needs it
+      }
+      solve(halley);
     }
-    if constexpr (IORD == 4) solve(std::true_type{});
-    else if constexpr (IORD == 2) solve(std::false_type{});
-    else if (order >= kHalleyMinOrder) solve(std::true_type{});
-    else solve(std::false_type{});
-  }
+  };
+  if constexpr (IORD == 4) steps(std::true_type{});
+  else if constexpr (IORD == 2) steps(std::false_type{});
+  else if (order >= kHalleyMinOrder) steps(std::true_type{});
+  else steps(std::false_type{});
 
   float o[D / 8][4], l[2] = {0.f, 0.f};
 #pragma unroll
@@ -474,7 +496,9 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
 }
 
 template <int D> struct DqCfg {
-  static constexpr int BQ = 64, BK = 64, KS = 32;  // key tiles of BK (one barrier each), in sub-tiles of KS keys
+  // key tiles of BK (one barrier each; D 128 keeps 64: 70 KB, within the 99 KB per block of sm_86 / sm_89), in
+  // sub-tiles of KS keys
+  static constexpr int BQ = 64, BK = D == 128 ? 64 : 128, KS = 32;
   static constexpr int kMinBlocks = D == 128 ? 1 : 3;  // caps registers at 168 for D <= 64 (3 blocks per SM)
   struct Smem {
     union {
@@ -522,11 +546,12 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
   const float neg_scale = -p.scale;
 
   const int tiles = (key_end(p, q0, BQ) + BK - 1) / BK, warp_keys = key_end(p, r0, 16);
+  const int warp_interior = interior_end(p, r0, 16);
   auto issue = [&](int tile) {
     const int buf = tile & 1, k0 = tile * BK;
     load_rows_async(sm.u.kv[buf].k, k, p.sk.n, k0, p.nk);
     load_rows_async(sm.u.kv[buf].v, v, p.sv.n, k0, p.nk);
-    load_bias<BK>(sm.kbias[buf], p, b, k0);
+    if (tile_needs_bias<BK>(p, k0)) load_bias<BK>(sm.kbias[buf], p, b, k0);
   };
   auto sweep = [&](auto&& body) {
     if (tiles == 0) return;
@@ -544,9 +569,12 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
         float s[NT][4], dp[NT][4];
         mma_abt<NT, BK, D, T>(s, qf, sm.u.kv[buf].k, lane, koff);
         mma_abt<NT, BK, D, T>(dp, df, sm.u.kv[buf].v, lane, koff);
-        if (!all_allowed(p, r0, 16, k0, KS))  // warp-uniform: interior sub-tiles skip the mask
-          mask_raw(s, p, sm.kbias[buf] + koff, r0, k0, lane);
-        body(s, dp, buf, koff);
+        if (k0 + KS <= warp_interior) {  // warp-uniform: interior sub-tiles skip the mask (body for each path)
+          body(s, dp, buf, koff);
+        } else {
+          mask_raw(s, p, tile_needs_bias<BK>(p, tile * BK) ? sm.kbias[buf] + koff : nullptr, r0, k0, lane);
+          body(s, dp, buf, koff);
+        }
       }
     }
   };
@@ -606,7 +634,8 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
 }
 
 template <int D> struct DkvCfg {
-  static constexpr int BK = 64, BQ = D == 128 ? 16 : 32;
+  // query tiles of BQ (one barrier each), computed in sub-tiles of QS queries
+  static constexpr int BK = 64, BQ = D == 128 ? 16 : 64, QS = D == 128 ? 16 : 32;
   static constexpr int kMinBlocks = D == 128 ? 1 : 3;  // caps registers at 168 for D <= 64 (3 blocks per SM)
   struct Smem {  // query tiles and their row state double-buffered (cp.async prefetch of the next tile)
     HTile<BK, D> k, v;
@@ -618,7 +647,7 @@ template <int D> struct DkvCfg {
 template <typename T, int D, int IORD>
 __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv_kernel(const Params p) {
   using Cfg = DkvCfg<D>;
-  constexpr int BK = Cfg::BK, BQ = Cfg::BQ, NT = BQ / 8;
+  constexpr int BK = Cfg::BK, BQ = Cfg::BQ, QS = Cfg::QS, NT = QS / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = 2 * (lane % 4);
@@ -663,36 +692,42 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
     mma::cp_async_wait_all();
     __syncthreads();  // tile `tile` (and k, v) visible to every thread; tile - 1's readers are done
     if (tile + 1 < tiles) issue(tile + 1);  // overwrites the buffers tile - 1 used
-    float s[NT][4], dp[NT][4];  // rows: keys; columns: queries q0 + [0, BQ)
-    mma_abt_smem<NT, BK, BQ, D, T>(s, sm.k, kr0, sm.q[buf], lane);
-    mma_abt_smem<NT, BK, BQ, D, T>(dp, sm.v, kr0, sm.dout[buf], lane);
-    // P / l and dS for the warp's 16 keys x the tile's queries; y(j, e) = (lam + m) - s scale as in the forward, +inf
-    // where the pair is masked (P = r = 0)
-    const auto grads = [&](auto y_of) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
+    for (int qoff = 0; qoff < BQ; qoff += QS) {
+      const int qs0 = q0 + qoff;
+      if (qs0 >= p.nq) break;  // warp-uniform: past the queries
+      if (p.causal && qs0 + QS - 1 + off < k0 + kr0) continue;  // warp-uniform: no query of the sub-tile sees a key
+      float s[NT][4], dp[NT][4];  // rows: keys; columns: queries qs0 + [0, QS)
+      mma_abt_smem<NT, BK, BQ, D, T>(s, sm.k, kr0, sm.q[buf], lane, qoff);
+      mma_abt_smem<NT, BK, BQ, D, T>(dp, sm.v, kr0, sm.dout[buf], lane, qoff);
+      // P / l and dS for the warp's 16 keys x the sub-tile's queries; y(j, e) = (lam + m) - s scale as in the
+      // forward, +inf where the pair is masked (P = r = 0)
+      const auto grads = [&](auto y_of) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float4 row = sm.rows[buf][8 * j + c + h];  // query q0 + 8 j + c + h: elements e = h, h + 2
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int e = h; e < 4; e += 2) {
-            float pp, rr;
-            powers<IORD>(y_of(j, e, row.x), order, pp, rr);
-            s[j][e] = pp * row.y;
-            dp[j][e] = order * rr * (dp[j][e] - row.z);
+          for (int h = 0; h < 2; ++h) {
+            const float4 row = sm.rows[buf][qoff + 8 * j + c + h];  // query qs0 + 8 j + c + h: elements h, h + 2
+#pragma unroll
+            for (int e = h; e < 4; e += 2) {
+              float pp, rr;
+              powers<IORD>(y_of(j, e, row.x), order, pp, rr);
+              s[j][e] = pp * row.y;
+              dp[j][e] = order * rr * (dp[j][e] - row.z);
+            }
           }
-        }
-    };
-    if (all_allowed(p, q0, BQ, k0 + kr0, 16))  // warp-uniform: no mask, no key bias (interior tiles)
-      grads([&](int j, int e, float lam_m) { return fmaf(s[j][e], -p.scale, lam_m); });
-    else
-      grads([&](int j, int e, float lam_m) {
-        const int i = q0 + 8 * j + c + (e % 2);
-        const bool ok = i < p.nq && (!p.causal || key[e / 2] <= i + off);
-        return ok ? fmaf(s[j][e], -p.scale, lam_m) - kbias[e / 2] : inf();
-      });
-    mma_xb<NT, BQ, D, T>(dv, s, sm.dout[buf], lane);
-    mma_xb<NT, BQ, D, T>(dk, dp, sm.q[buf], lane);
+      };
+      if (all_allowed(p, qs0, QS, k0 + kr0, 16))  // warp-uniform: no mask, no key bias (interior sub-tiles)
+        grads([&](int j, int e, float lam_m) { return fmaf(s[j][e], -p.scale, lam_m); });
+      else
+        grads([&](int j, int e, float lam_m) {
+          const int i = qs0 + 8 * j + c + (e % 2);
+          const bool ok = i < p.nq && (!p.causal || key[e / 2] <= i + off);
+          return ok ? fmaf(s[j][e], -p.scale, lam_m) - kbias[e / 2] : inf();
+        });
+      mma_xb<NT, BQ, D, T>(dv, s, sm.dout[buf], lane, qoff);
+      mma_xb<NT, BQ, D, T>(dk, dp, sm.q[buf], lane, qoff);
+    }
   }
 
 #pragma unroll
