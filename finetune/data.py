@@ -155,8 +155,7 @@ class ShiftedRows(RowDataset):
         if epoch > 0:
             generator = torch.Generator().manual_seed(self.seed + epoch)
             shifts = torch.randint(0, self.seq_len, (len(self.tokens),), generator=generator).tolist()
-        self.rows = {k: v for k, v in rows_from_tokens(self.tokens, self.pad, self.seq_len, shifts=shifts).items()
-                     if k != "doc_index"}
+        super().__init__(rows_from_tokens(self.tokens, self.pad, self.seq_len, shifts=shifts))
         self.epoch = epoch
 
 
