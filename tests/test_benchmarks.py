@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import hf_attention_backends  # noqa: F401  (imported at collection, not inside the first test's timing)
-from benchmarks import (ab_csv, ptxas_report, registry, report, run, sass_report, stieltjes_fused_start, stieltjes_real_rows,
-                        stieltjes_solver, timing)
+from benchmarks import (ab_csv, ptxas_report, race_sink_study, registry, report, run, sass_report, stieltjes_fused_start,
+                        stieltjes_real_rows, stieltjes_solver, timing)
 from benchmarks.registry import Case, Provider
+from hf_attention_backends import make_planes, race_attention
 from hf_attention_backends.ops.stieltjes.reference import solve_lambda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -703,3 +704,33 @@ def test_stieltjes_solver_bimodal_study():
     assert 1e-3 < worst["one more"][0] < worst["fixed"][0] < worst["jensen"][0]
     assert worst["adaptive"][0] < 1e-3
     assert worst["rows"] == 108 and worst["fixed worse than jensen"] < 0.1 * worst["rows"]
+
+
+def test_race_sink_study_kernel_matrix_gives_the_reference_output():
+    """The study's explicit N x N kernel matrix (num / den) against the library's chunked causal reference op."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 150, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    planes = make_planes(2, 3, 16, seed=1, dtype=torch.float64)
+    num, den = race_sink_study.race_num_den(q, k, v, planes, 0.7)
+    ref = race_attention(q, k, v, planes=planes, beta=torch.tensor(0.7, dtype=torch.float64), causal=True)
+    torch.testing.assert_close(num / den, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_race_sink_study_sink_term_fits_a_sink_head():
+    """A head that puts ~92% of each row on token 0, whose value row is 0: its outputs are short, RACE without a sink
+    gives about the mean of v (error far above 1), and the sink term brings the error near 0. GQA: both q heads read
+    the one kv head."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.zeros(1, 2, 64, 16, dtype=torch.float64)
+    q[..., 0] = 4.0
+    k = 0.3 * torch.randn(1, 1, 64, 16, generator=g, dtype=torch.float64)
+    k[:, :, 0, 0] = 6.0
+    v = 1.0 + 0.1 * torch.randn(1, 1, 64, 16, generator=g, dtype=torch.float64)
+    v[:, :, 0] = 0.0
+    stats = race_sink_study.head_study(q, k, v, make_planes(2, 3, 16, seed=0, dtype=torch.float64), skip_rows=8)
+    assert all(x.shape == (2,) for x in stats.values())
+    assert bool((stats["sink_share"] > 0.9).all()) and bool((stats["out_to_v"] < 0.01).all())
+    assert bool((stats["plain"] > 10).all()) and bool((stats["sink"] < 1e-2).all())
+    no_sink = race_sink_study.head_study(q, k, v, make_planes(2, 3, 16, seed=0, dtype=torch.float64), skip_rows=8,
+                                         sink_factors=(0.0,))
+    torch.testing.assert_close(no_sink["sink"], stats["plain"], rtol=0, atol=0)

@@ -1,0 +1,146 @@
+"""How far RACE's attention output is from softmax's on SmolLM2's own q, k, v, with and without a sink term (CPU).
+
+The recipes' calibration reports a relative error above 1 for most SmolLM2 layers converted to RACE: the RACE
+output is further from the softmax output than a zero output would be. This study tests one explanation, attention
+sinks: softmax heads put much of each row's mass on the first token, whose value row is small, so their outputs are
+short vectors; RACE's kernel is at most L per key (each table's features sum to 1), so it cannot give one key most
+of a row's mass and its output is close to a mean of v, a long vector.
+
+A sink term is a per-head mass s in the denominator, O_i = sum_j k_ij v_j / (sum_j k_ij + s): a virtual key that
+every query sees with kernel value s and value 0. Per converted layer and head this script measures, over
+``--texts`` news articles of ``--seq-len`` tokens (all real tokens, causal):
+
+- ``sink share``: the mean softmax mass on token 0 (rows from ``--skip-rows`` on);
+- ``|O|^2 / |v|^2``: how short the softmax outputs are against the value rows;
+- ``plain``: the relative error sum |O_race - O_softmax|^2 / sum |O_softmax|^2 at the head's best beta of the grid
+  (D^-0.5 x ``BETA_FACTORS``; the recipes' calibration searches the same factors and ends with Adam steps);
+- ``sink``: the same with the best (beta, s) of the grid, s = c x the head's mean denominator, c in ``SINK_FACTORS``.
+
+q and k are captured after the rotary embedding through transformers' attention interface (a registered attention
+function that records its inputs and runs sdpa); the errors are computed in float64 with the library's feature map
+(``race_features``) and planes (``make_planes(L, P, D, seed=layer)``, as a converted layer with seed 0 draws them).
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.race_sink_study [--planes 6] [--tables 1] [--texts 4] [--seq-len 256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+BETA_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+SINK_FACTORS = (0.0, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
+CAPTURE = "hfab_race_sink_study_capture"
+
+
+def capture_qkv(model, batch: dict) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
+    """{layer: (q, k, v)} of one forward of ``model`` on ``batch``: the attention function's inputs (after RoPE)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    captured = {}
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        captured[module.layer_idx] = (query.detach(), key.detach(), value.detach())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(CAPTURE, capture)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(CAPTURE)
+    try:
+        with torch.no_grad():
+            model(**batch, use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+    return captured
+
+
+def race_num_den(q: Tensor, k: Tensor, v: Tensor, planes: Tensor, beta: float) -> tuple[Tensor, Tensor]:
+    """Causal RACE numerator (B, H, N, D) and denominator (B, H, N, 1) from the explicit N x N kernel matrix."""
+    from hf_attention_backends.ops.race.reference import race_features
+
+    b = torch.tensor(beta, dtype=q.dtype)
+    w = race_features(q, planes, b) @ race_features(k, planes, b).transpose(-1, -2)
+    w = w.tril()
+    return w @ v, w.sum(-1, keepdim=True)
+
+
+def head_study(q: Tensor, k: Tensor, v: Tensor, planes: Tensor, skip_rows: int,
+               beta_factors=BETA_FACTORS, sink_factors=SINK_FACTORS) -> dict[str, Tensor]:
+    """Per head (q's heads; k, v repeated for GQA), float64: sink share, |O|^2/|v|^2, best plain and sink errors."""
+    q, k, v = (t.double() for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    n, d = q.shape[2], q.shape[3]
+    scores = (q @ k.transpose(-1, -2)) * d ** -0.5
+    prob = torch.softmax(scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf")), -1)
+    teacher = (prob @ v)[:, :, skip_rows:]
+    ref = (teacher ** 2).sum((0, 2, 3))
+    best_plain = torch.full_like(ref, float("inf"))
+    best_sink = best_plain.clone()
+    for factor in beta_factors:
+        num, den = race_num_den(q, k, v, planes, factor * d ** -0.5)
+        num, den = num[:, :, skip_rows:], den[:, :, skip_rows:]
+        mean_den = den.mean((0, 2, 3)).view(1, -1, 1, 1)
+        for c in sink_factors:
+            err = ((num / (den + c * mean_den) - teacher) ** 2).sum((0, 2, 3)) / ref
+            if c == 0:
+                best_plain = torch.minimum(best_plain, err)
+            best_sink = torch.minimum(best_sink, err)
+    return {"sink_share": prob[:, :, skip_rows:, 0].mean((0, 2)),
+            "out_to_v": ref / (v[:, :, skip_rows:] ** 2).sum((0, 2, 3)),
+            "plain": best_plain, "sink": best_sink}
+
+
+def study(planes_per_table: int, tables: int, texts: int, seq_len: int, skip_rows: int) -> list[dict]:
+    """One row per SmolLM2 layer: the head means of ``head_study``."""
+    from hf_attention_backends import make_planes, models
+
+    model, tokenizer = models.load_smollm2(attn_implementation="sdpa")
+    batch = tokenizer(models.news_articles(texts, min_chars=6 * seq_len), truncation=True, max_length=seq_len,
+                      padding=True, return_tensors="pt")
+    if not bool(batch["attention_mask"].all()):
+        raise ValueError(f"an article is shorter than seq_len={seq_len} tokens; lower --seq-len")
+    rows = []
+    for layer, (q, k, v) in sorted(capture_qkv(model, batch).items()):
+        planes = make_planes(tables, planes_per_table, q.shape[-1], seed=layer, dtype=torch.float64)
+        stats = head_study(q, k, v, planes, skip_rows)
+        rows.append({"layer": layer, **{name: float(x.mean()) for name, x in stats.items()}})
+        print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+def format_row(row: dict) -> str:
+    return (f"{row['layer']:>5} {row['sink_share']:>10.3f} {row['out_to_v']:>11.3f} {row['plain']:>8.3f} "
+            f"{row['sink']:>8.3f}")
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--planes", type=int, default=6, help="P, planes per table (default 6)")
+    parser.add_argument("--tables", type=int, default=1, help="L, tables (default 1)")
+    parser.add_argument("--texts", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--skip-rows", type=int, default=8, help="first rows left out (few keys)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    if not 0 <= args.skip_rows < args.seq_len:
+        parser.error(f"--skip-rows={args.skip_rows} must lie in [0, --seq-len)")
+    print(f"RACE P={args.planes} L={args.tables} vs softmax, SmolLM2, {args.texts} x {args.seq_len} tokens; "
+          "head means per layer")
+    print(f"{'layer':>5} {'sink share':>10} {'|O|^2/|v|^2':>11} {'plain':>8} {'sink':>8}")
+    rows = study(args.planes, args.tables, args.texts, args.seq_len, args.skip_rows)
+    mean = {name: sum(r[name] for r in rows) / len(rows) for name in ("sink_share", "out_to_v", "plain", "sink")}
+    print(format_row({"layer": "mean", **mean}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"planes": args.planes, "tables": args.tables, "texts": args.texts, "seq_len": args.seq_len,
+                       "skip_rows": args.skip_rows, "layers": rows, "mean": mean}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
