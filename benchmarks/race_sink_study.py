@@ -14,7 +14,10 @@ every query sees with kernel value s and value 0. Per converted layer and head t
 - ``|O|^2 / |v|^2``: how short the softmax outputs are against the value rows;
 - ``plain``: the relative error sum |O_race - O_softmax|^2 / sum |O_softmax|^2 at the head's best beta of the grid
   (D^-0.5 x ``BETA_FACTORS``; the recipes' calibration searches the same factors and ends with Adam steps);
-- ``sink``: the same with the best (beta, s) of the grid, s = c x the head's mean denominator, c in ``SINK_FACTORS``.
+- ``sink``: the same with the best (beta, s) of the grid, s = c x the head's mean denominator, c in ``SINK_FACTORS``;
+- ``scale``: the control: the plain output times the best constant per head (least squares), which a fine-tuned
+  o_proj can learn without any new term. A sink shrinks each row by den_i / (den_i + s), more where the row's kernel
+  mass is small; if the sink did no better than a constant, fine-tuning would already have it.
 
 q and k are captured after the rotary embedding through transformers' attention interface (a registered attention
 function that records its inputs and runs sdpa); the errors are computed in float64 with the library's feature map
@@ -80,11 +83,14 @@ def head_study(q: Tensor, k: Tensor, v: Tensor, planes: Tensor, skip_rows: int,
     teacher = (prob @ v)[:, :, skip_rows:]
     ref = (teacher ** 2).sum((0, 2, 3))
     best_plain = torch.full_like(ref, float("inf"))
-    best_sink = best_plain.clone()
+    best_sink, best_scale = best_plain.clone(), best_plain.clone()
     for factor in beta_factors:
         num, den = race_num_den(q, k, v, planes, factor * d ** -0.5)
         num, den = num[:, :, skip_rows:], den[:, :, skip_rows:]
         mean_den = den.mean((0, 2, 3)).view(1, -1, 1, 1)
+        plain = num / den
+        cross, own = (plain * teacher).sum((0, 2, 3)), (plain ** 2).sum((0, 2, 3))
+        best_scale = torch.minimum(best_scale, 1 - cross ** 2 / (own * ref))  # at the constant cross / own
         for c in sink_factors:
             err = ((num / (den + c * mean_den) - teacher) ** 2).sum((0, 2, 3)) / ref
             if c == 0:
@@ -92,7 +98,7 @@ def head_study(q: Tensor, k: Tensor, v: Tensor, planes: Tensor, skip_rows: int,
             best_sink = torch.minimum(best_sink, err)
     return {"sink_share": prob[:, :, skip_rows:, 0].mean((0, 2)),
             "out_to_v": ref / (v[:, :, skip_rows:] ** 2).sum((0, 2, 3)),
-            "plain": best_plain, "sink": best_sink}
+            "plain": best_plain, "sink": best_sink, "scale": best_scale}
 
 
 def study(planes_per_table: int, tables: int, texts: int, seq_len: int, skip_rows: int) -> list[dict]:
@@ -115,7 +121,7 @@ def study(planes_per_table: int, tables: int, texts: int, seq_len: int, skip_row
 
 def format_row(row: dict) -> str:
     return (f"{row['layer']:>5} {row['sink_share']:>10.3f} {row['out_to_v']:>11.3f} {row['plain']:>8.3f} "
-            f"{row['sink']:>8.3f}")
+            f"{row['sink']:>8.3f} {row['scale']:>8.3f}")
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -131,9 +137,9 @@ def main(argv: Optional[list] = None) -> int:
         parser.error(f"--skip-rows={args.skip_rows} must lie in [0, --seq-len)")
     print(f"RACE P={args.planes} L={args.tables} vs softmax, SmolLM2, {args.texts} x {args.seq_len} tokens; "
           "head means per layer")
-    print(f"{'layer':>5} {'sink share':>10} {'|O|^2/|v|^2':>11} {'plain':>8} {'sink':>8}")
+    print(f"{'layer':>5} {'sink share':>10} {'|O|^2/|v|^2':>11} {'plain':>8} {'sink':>8} {'scale':>8}")
     rows = study(args.planes, args.tables, args.texts, args.seq_len, args.skip_rows)
-    mean = {name: sum(r[name] for r in rows) / len(rows) for name in ("sink_share", "out_to_v", "plain", "sink")}
+    mean = {name: sum(r[name] for r in rows) / len(rows) for name in ("sink_share", "out_to_v", "plain", "sink", "scale")}
     print(format_row({"layer": "mean", **mean}))
     if args.json:
         with open(args.json, "w") as f:

@@ -731,6 +731,7 @@ def test_race_sink_study_sink_term_fits_a_sink_head():
     assert all(x.shape == (2,) for x in stats.values())
     assert bool((stats["sink_share"] > 0.9).all()) and bool((stats["out_to_v"] < 0.01).all())
     assert bool((stats["plain"] > 10).all()) and bool((stats["sink"] < 1e-2).all())
+    assert bool((stats["scale"] <= stats["plain"]).all())  # the least-squares constant beats the constant 1
     no_sink = race_sink_study.head_study(q, k, v, make_planes(2, 3, 16, seed=0, dtype=torch.float64), skip_rows=8,
                                          sink_factors=(0.0,))
     torch.testing.assert_close(no_sink["sink"], stats["plain"], rtol=0, atol=0)
