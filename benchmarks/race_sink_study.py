@@ -19,6 +19,11 @@ every query sees with kernel value s and value 0. Per converted layer and head t
   o_proj can learn without any new term. A sink shrinks each row by den_i / (den_i + s), more where the row's kernel
   mass is small; if the sink did no better than a constant, fine-tuning would already have it.
 
+``--perplexity`` checks the end-to-end effect of the constant on its own: SmolLM2 converted (P, L, per-head beta),
+calibrated as the recipes do (the beta grid, then Adam steps) on ``--texts`` articles, then each converted layer's
+``o_proj`` times the factor of ``OUTPUT_FACTORS`` that minimises that layer's teacher-forced error
+(:func:`scale_outputs`, the softmax teacher keeping the original weights); held-out perplexity on 16 other articles after each step.
+
 q and k are captured after the rotary embedding through transformers' attention interface (a registered attention
 function that records its inputs and runs sdpa); the errors are computed in float64 with the library's feature map
 (``race_features``) and planes (``make_planes(L, P, D, seed=layer)``, as a converted layer with seed 0 draws them).
@@ -29,11 +34,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+OUTPUT_FACTORS = (0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.85, 1.0)
 BETA_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 SINK_FACTORS = (0.0, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 CAPTURE = "hfab_race_sink_study_capture"
@@ -119,6 +126,77 @@ def study(planes_per_table: int, tables: int, texts: int, seq_len: int, skip_row
     return rows
 
 
+def scale_outputs(model, batches: list, factors=OUTPUT_FACTORS) -> dict[int, float]:
+    """Multiply each converted layer's ``o_proj`` weight by the factor that minimises its teacher-forced relative
+    error on ``batches``; {layer: factor}. One ``TeacherForcing`` context for every factor, entered with the o_proj
+    weights trainable, so that the softmax teacher keeps the original weights while the student's are scaled (one
+    forward per factor scores every layer)."""
+    from hf_attention_backends.calibrate import TeacherForcing, converted_layers, forward_kwargs
+
+    modules = dict(converted_layers(model))
+    weights = {idx: m.o_proj.weight.detach().clone() for idx, m in modules.items()}
+    trainable = {idx: m.o_proj.weight.requires_grad for idx, m in modules.items()}
+    best = {idx: (float("inf"), 1.0) for idx in modules}
+    for module in modules.values():
+        module.o_proj.weight.requires_grad_(True)  # snapshotted by TeacherForcing: the teacher's stay the originals
+    try:
+        with torch.no_grad(), TeacherForcing(model) as forcing:
+            for factor in factors:
+                for idx, module in modules.items():
+                    module.o_proj.weight.copy_(weights[idx] * factor)
+                sums = {idx: [0.0, 0.0] for idx in modules}
+                for batch in batches:
+                    forcing.token_mask, forcing.terms = batch.get("attention_mask"), {}
+                    model(**forward_kwargs(model, batch))
+                    for idx, (err, ref, _) in forcing.terms.items():
+                        sums[idx][0] += float(err)
+                        sums[idx][1] += float(ref)
+                for idx, (err, ref) in sums.items():
+                    best[idx] = min(best[idx], (err / max(ref, 1e-30), factor))
+            for idx, module in modules.items():
+                module.o_proj.weight.copy_(weights[idx] * best[idx][1])
+    finally:
+        for idx, module in modules.items():
+            module.o_proj.weight.requires_grad_(trainable[idx])
+    return {idx: factor for idx, (_, factor) in best.items()}
+
+
+def perplexity(model, batch: dict, rows_per_forward: int = 4) -> float:
+    """exp of the mean next-token loss over the real tokens of ``batch`` (input_ids, attention_mask)."""
+    total = count = 0.0
+    with torch.no_grad():
+        for i in range(0, batch["input_ids"].shape[0], rows_per_forward):
+            part = {k: v[i:i + rows_per_forward] for k, v in batch.items()}
+            labels = part["input_ids"].masked_fill(part["attention_mask"] == 0, -100)
+            n = float((labels[:, 1:] != -100).sum())
+            total += float(model(**part, labels=labels, use_cache=False).loss) * n
+            count += n
+    return math.exp(total / count)
+
+
+def perplexity_study(planes_per_table: int, tables: int, texts: int, seq_len: int) -> dict:
+    """Held-out perplexity of SmolLM2: softmax, converted, calibrated, then with the per-layer output factor."""
+    import hf_attention_backends as hfab
+    from hf_attention_backends import models
+    from hf_attention_backends.calibrate import calibrate, layer_errors
+
+    model, tokenizer = models.load_smollm2(attn_implementation="sdpa")
+    enc = tokenizer(models.news_articles(texts + 16, min_chars=6 * seq_len), truncation=True, max_length=seq_len,
+                    padding=True, return_tensors="pt")
+    batches = [{k: v[i:i + 4] for k, v in enc.items()} for i in range(0, texts, 4)]
+    held_out = {k: v[texts:] for k, v in enc.items()}
+    result = {"softmax": perplexity(model, held_out)}
+    model = hfab.convert(model, "race", num_planes=planes_per_table, num_tables=tables, per_head_beta=True)
+    result["converted"] = perplexity(model, held_out)
+    calibrate(model, batches, steps=20, lr=1e-2)
+    errors = layer_errors(model, batches)
+    result.update(calibrated=perplexity(model, held_out), calibrated_error=sum(errors.values()) / len(errors))
+    result["factors"] = scale_outputs(model, batches)
+    errors = layer_errors(model, batches)
+    result.update(scaled=perplexity(model, held_out), scaled_error=sum(errors.values()) / len(errors))
+    return result
+
+
 def format_row(row: dict) -> str:
     return (f"{row['layer']:>5} {row['sink_share']:>10.3f} {row['out_to_v']:>11.3f} {row['plain']:>8.3f} "
             f"{row['sink']:>8.3f} {row['scale']:>8.3f}")
@@ -131,8 +209,18 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--texts", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--skip-rows", type=int, default=8, help="first rows left out (few keys)")
+    parser.add_argument("--perplexity", action="store_true", help="the end-to-end check of the output factor instead")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    if args.perplexity:
+        if args.texts % 4:
+            parser.error(f"--texts={args.texts} must be a multiple of 4 with --perplexity (calibration batches of 4)")
+        result = perplexity_study(args.planes, args.tables, args.texts, args.seq_len)
+        print(json.dumps(result, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        return 0
     if not 0 <= args.skip_rows < args.seq_len:
         parser.error(f"--skip-rows={args.skip_rows} must lie in [0, --seq-len)")
     print(f"RACE P={args.planes} L={args.tables} vs softmax, SmolLM2, {args.texts} x {args.seq_len} tokens; "

@@ -3,6 +3,7 @@ columns, rows, plot), the skip/OOM/error/budget rules with probe providers, timi
 the ptxas report and scripts/gpu_check.sh in its CPU mode."""
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -735,3 +736,47 @@ def test_race_sink_study_sink_term_fits_a_sink_head():
     no_sink = race_sink_study.head_study(q, k, v, make_planes(2, 3, 16, seed=0, dtype=torch.float64), skip_rows=8,
                                          sink_factors=(0.0,))
     torch.testing.assert_close(no_sink["sink"], stats["plain"], rtol=0, atol=0)
+
+
+def test_race_sink_study_output_factors_never_raise_a_layers_error():
+    """scale_outputs picks per layer the o_proj factor of least teacher-forced error, the softmax teacher keeping the
+    original weights: measured that way, no layer's error rises (1 is in the grid), the weights end as the chosen
+    factor times the original and keep their requires_grad. (A teacher scaled with the student, which is what a
+    TeacherForcing entered after the scaling gives, makes the errors nearly scale-free and the choice arbitrary.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_attention_backends import convert
+    from hf_attention_backends.calibrate import TeacherForcing, converted_layers, forward_kwargs, layer_errors
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128, vocab_size=97,
+                                         attn_implementation="sdpa")).eval()
+    with torch.no_grad():  # peaked softmax rows, which RACE's kernel does not follow
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    model = convert(model, "race", num_planes=3, num_tables=2, per_head_beta=True)
+    modules = dict(converted_layers(model))
+    for module in modules.values():
+        module.o_proj.weight.requires_grad_(False)
+    batches = [{"input_ids": torch.randint(0, 97, (2, 40)), "attention_mask": torch.ones(2, 40, dtype=torch.long)}]
+    before = layer_errors(model, batches)
+    weights = {idx: m.o_proj.weight.detach().clone() for idx, m in modules.items()}
+    factors = race_sink_study.scale_outputs(model, batches, factors=(0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 2.0))
+    assert set(factors) == set(before)
+    for idx, module in modules.items():
+        torch.testing.assert_close(module.o_proj.weight, weights[idx] * factors[idx], rtol=0, atol=0)
+        assert not module.o_proj.weight.requires_grad
+    with torch.no_grad():
+        for idx, module in modules.items():
+            module.o_proj.weight.copy_(weights[idx]).requires_grad_(True)
+        with TeacherForcing(model) as forcing:  # snapshot of the originals for the teacher
+            for idx, module in modules.items():
+                module.o_proj.weight.mul_(factors[idx])
+            forcing.token_mask, forcing.terms = batches[0]["attention_mask"], {}
+            model(**forward_kwargs(model, batches[0]))
+            after = {idx: float(err) / float(ref) for idx, (err, ref, _) in forcing.terms.items()}
+    assert all(after[idx] <= before[idx] * (1 + 1e-6) for idx in before)
+    ppl = race_sink_study.perplexity(model, batches[0], rows_per_forward=1)
+    assert math.isfinite(ppl) and ppl > 1
