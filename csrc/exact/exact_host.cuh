@@ -1,5 +1,5 @@
 // Host side of the exact kernels shared by exact_fwd.cu and exact_bwd.cu: validation at the op
-// boundary (clear errors naming the argument, its value and what is supported), Params, dispatch.
+// boundary (clear errors naming the argument, its value and what is supported), Params.
 #pragma once
 
 #include <optional>

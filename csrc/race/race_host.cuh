@@ -1,5 +1,5 @@
 // Host side of the RACE kernels shared by race_fwd.cu and race_bwd.cu: validation at the op boundary
-// (clear errors naming the argument, its value and what is supported), Params, dispatch, launches.
+// (clear errors naming the argument, its value and what is supported), Params, launches.
 #pragma once
 
 #include <ATen/core/Tensor.h>
