@@ -636,16 +636,10 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
 
 
 def main(argv=None) -> int:
+    from hf_attention_backends.cli import add_recipe_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True,
-                        help="YAML recipe: a file, or the name of a bundled one (configs/finetune/<name>.yaml)")
-    parser.add_argument("--output-dir", help="overrides the recipe's output_dir")
-    parser.add_argument("--resume", metavar="DIR|latest",
-                        help="continue from a checkpoint folder (<output_dir>/checkpoints/<stage>-<step>) or the "
-                             "newest one under output_dir")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="change one recipe value (YAML), repeatable: --set fine_tune.lr=3e-4 "
-                             "--set convert.options.num_tables=8")
+    add_recipe_arguments(parser, config_required=True)
     args = parser.parse_args(argv)
     recipe = load_recipe(args.config, args.overrides)
     if args.output_dir:

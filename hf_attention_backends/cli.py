@@ -115,19 +115,25 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Convert a model, calibrate it and win its quality back (attention "
                                           "transfer, then LoRA/full fine-tuning) as the YAML recipe says, in this "
                                           "one process (CPU or one GPU). " + FINETUNE_LAUNCH)
-    finetune.add_argument("--config", metavar="YAML|NAME",
-                          help="the recipe: a YAML file, or the name of a bundled one (see --list)")
+    add_recipe_arguments(finetune)
     finetune.add_argument("--list", action="store_true",
                           help="print the bundled recipes and accelerate launch configs with their paths, then exit")
-    finetune.add_argument("--output-dir", metavar="DIR", help="overrides the recipe's output_dir")
-    finetune.add_argument("--resume", metavar="DIR|latest",
-                          help="continue from a checkpoint folder (<output_dir>/checkpoints/<stage>-<step>) or the "
-                               "newest one under output_dir")
-    finetune.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                          help="change one recipe value (YAML), repeatable: --set fine_tune.lr=3e-4 "
-                               "--set convert.options.num_tables=8")
     finetune.set_defaults(func=run_finetune)
     return parser
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser, config_required: bool = False) -> None:
+    """The recipe runner's flags, shared by ``hfab finetune`` and ``finetune/train.py``."""
+    parser.add_argument("--config", metavar="YAML|NAME", required=config_required,
+                        help="the recipe: a YAML file, or the name of a bundled one (configs/finetune/<name>.yaml; "
+                             "hfab finetune --list)")
+    parser.add_argument("--output-dir", metavar="DIR", help="overrides the recipe's output_dir")
+    parser.add_argument("--resume", metavar="DIR|latest",
+                        help="continue from a checkpoint folder (<output_dir>/checkpoints/<stage>-<step>) or the "
+                             "newest one under output_dir")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="change one recipe value (YAML), repeatable: --set fine_tune.lr=3e-4 "
+                             "--set convert.options.num_tables=8")
 
 
 FINETUNE_LAUNCH = ("Several GPUs (DDP or FSDP, one or many nodes): accelerate launch --config_file "
