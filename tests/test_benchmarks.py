@@ -738,15 +738,8 @@ def test_race_sink_study_sink_term_fits_a_sink_head():
     torch.testing.assert_close(no_sink["sink"], stats["plain"], rtol=0, atol=0)
 
 
-def test_race_sink_study_output_factors_never_raise_a_layers_error():
-    """scale_outputs picks per layer the o_proj factor of least teacher-forced error, the softmax teacher keeping the
-    original weights: measured that way, no layer's error rises (1 is in the grid), the weights end as the chosen
-    factor times the original and keep their requires_grad. (A teacher scaled with the student, which is what a
-    TeacherForcing entered after the scaling gives, makes the errors nearly scale-free and the choice arbitrary.)"""
+def _tiny_llama(scale_qk: float = 8.0):
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from hf_attention_backends import convert
-    from hf_attention_backends.calibrate import TeacherForcing, converted_layers, forward_kwargs, layer_errors
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -754,9 +747,21 @@ def test_race_sink_study_output_factors_never_raise_a_layers_error():
                                          attn_implementation="sdpa")).eval()
     with torch.no_grad():  # peaked softmax rows, which RACE's kernel does not follow
         for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(8.0)
-            layer.self_attn.k_proj.weight.mul_(8.0)
-    model = convert(model, "race", num_planes=3, num_tables=2, per_head_beta=True)
+            layer.self_attn.q_proj.weight.mul_(scale_qk)
+            layer.self_attn.k_proj.weight.mul_(scale_qk)
+    return model
+
+
+
+def test_race_sink_study_output_factors_never_raise_a_layers_error():
+    """scale_outputs picks per layer the o_proj factor of least teacher-forced error, the softmax teacher keeping the
+    original weights: measured that way, no layer's error rises (1 is in the grid), the weights end as the chosen
+    factor times the original and keep their requires_grad. (A teacher scaled with the student, which is what a
+    TeacherForcing entered after the scaling gives, makes the errors nearly scale-free and the choice arbitrary.)"""
+    from hf_attention_backends import convert
+    from hf_attention_backends.calibrate import TeacherForcing, converted_layers, forward_kwargs, layer_errors
+
+    model = convert(_tiny_llama(), "race", num_planes=3, num_tables=2, per_head_beta=True)
     modules = dict(converted_layers(model))
     for module in modules.values():
         module.o_proj.weight.requires_grad_(False)
@@ -780,3 +785,45 @@ def test_race_sink_study_output_factors_never_raise_a_layers_error():
     assert all(after[idx] <= before[idx] * (1 + 1e-6) for idx in before)
     ppl = race_sink_study.perplexity(model, batches[0], rows_per_forward=1)
     assert math.isfinite(ppl) and ppl > 1
+
+
+def test_race_transfer_study_capture_teacher_and_student_match_the_model():
+    """The captured inputs and softmax_rows rebuild the layer's sdpa output; the untrained LayerStudent gives what the
+    library's converted layer (the same planes and beta, the chunked reference op) gives on those inputs."""
+    from hf_attention_backends import convert, make_planes
+
+    from benchmarks import race_transfer_study as rts
+
+    model = _tiny_llama()
+    batch = {"input_ids": torch.randint(0, 97, (3, 70)), "attention_mask": torch.ones(3, 70, dtype=torch.long)}
+    data = rts.capture_layer(model, batch, 1)
+    module = model.model.layers[1].self_attn
+    rows = rts.softmax_rows(module, data["hidden"], data["cos"], data["sin"])
+    v = module.v_proj(data["hidden"]).view(3, 70, 2, 16).transpose(1, 2).repeat_interleave(2, 1)
+    torch.testing.assert_close(module.o_proj((rows @ v).transpose(1, 2).flatten(2)), data["out"], rtol=1e-4, atol=1e-5)
+    student = rts.LayerStudent(module, make_planes(2, 3, 16, seed=1), beta=0.5)
+    converted = convert(model, "race", layers=[1], num_planes=3, num_tables=2, per_head_beta=True)
+    with torch.no_grad():
+        converted.model.layers[1].self_attn.hfab_beta.fill_(0.5)
+    ours = rts.capture_layer(converted, batch, 1)
+    torch.testing.assert_close(ours["hidden"], data["hidden"])  # layer 0 stays softmax
+    with torch.no_grad():
+        out, race_rows = student(data["hidden"], data["cos"], data["sin"])
+    torch.testing.assert_close(out, ours["out"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(race_rows.sum(-1), torch.ones(3, 4, 70))
+
+
+@pytest.mark.parametrize("objective", ["mse", "kl", "mse+o"])
+def test_race_transfer_study_training_lowers_the_error(objective):
+    from benchmarks import race_transfer_study as rts
+
+    model = _tiny_llama()
+    batch = {"input_ids": torch.randint(0, 97, (8, 48)), "attention_mask": torch.ones(8, 48, dtype=torch.long)}
+    data = rts.capture_layer(model, batch, 0)
+    curve = rts.transfer(model.model.layers[0].self_attn, data, 0, objective, steps=40, lr=3e-3,
+                         train_rows=torch.arange(6), test_rows=torch.arange(6, 8), planes_per_table=3, tables=2,
+                         every=20)
+    assert [c["step"] for c in curve] == [0, 20, 40]
+    assert curve[-1]["train"] < 0.8 * curve[0]["train"]
+    with pytest.raises(ValueError, match="objective='l1' is not supported"):
+        rts.transfer(model.model.layers[0].self_attn, data, 0, "l1", 1, 1e-3, torch.arange(6), torch.arange(6, 8))
