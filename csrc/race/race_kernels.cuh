@@ -461,8 +461,6 @@ __global__ void __launch_bounds__(kThreads, 1) race_out_fwd_kernel(const Params 
   }
 }
 
-// dq, den, c and the query side of dbeta for query tile blockIdx.x of (q head blockIdx.y, batch blockIdx.z).
-// d a_ij = G_i . v_j - c_i;  dphi(q_i) = A G_i - c_i z + sum_j (G_i . v_j - c_i) phi(k_j).
 // The end of pass 2 for this thread's rows ty * 4 + i and features tx + 16 f of S-tile st (dq and dk/dv kernels): g
 // holds (dO A^T or v B^T) there; dphi = g - c(r) lin_s + (ds phi_other)_rf (the intra term where ds is not null),
 // g = dphi phi (phi: this side's tile, overwritten with g), then the table gradients into w.
@@ -491,6 +489,8 @@ __device__ __forceinline__ void table_grads_from_dphi(const Params& p, int st, f
   table_grads(p, st, phi, sp, sm, w);
 }
 
+// dq, den, c and the query side of dbeta for query tile blockIdx.x of (q head blockIdx.y, batch blockIdx.z).
+// d a_ij = G_i . v_j - c_i;  dphi(q_i) = A G_i - c_i z + sum_j (G_i . v_j - c_i) phi(k_j).
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1) race_dq_bwd_kernel(const Params p) {
   extern __shared__ float smem[];
