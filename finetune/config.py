@@ -8,7 +8,7 @@ The ``convert`` options are checked by the backend's own config (``backends/conf
 output_dir: runs/name          # checkpoints/, log.csv, log.jsonl, curves.png, summary.json
 seed: 0
 model:     {name: smollm2 | minilm | tiny_llama | tiny_bert | /local/folder, dtype: float32 | bfloat16}
-convert:   {backend: race, layers: null, options: {num_planes: 4, per_head_beta: true}}
+convert:   {backend: race, layers: null, options: {num_planes: 4, per_head_beta: true}, keep_softmax: 0}
 calibrate: {enabled: true, batches: 2, race_betas: null, stieltjes_orders: null, stieltjes_temperatures: null,
             steps: 0, lr: 0.01}
 data:      {source: news | file.jsonl | file.txt | folder, documents: 256, eval_documents: 16, min_chars: 0,
@@ -55,10 +55,13 @@ class ModelSpec:
 
 @dataclass
 class ConvertSpec:
-    """The ``hf_attention_backends.convert`` call: backend, layers (None = all), backend options."""
+    """The ``hf_attention_backends.convert`` call: backend, layers (None = all), backend options; keep_softmax: that
+    many of those layers go back to softmax, the ones with the largest error after calibration (a hybrid plan chosen
+    from the data; needs calibrate.enabled)."""
     backend: str = "race"
     layers: Optional[list] = None
     options: dict = field(default_factory=dict)
+    keep_softmax: int = 0
 
 
 @dataclass
@@ -315,6 +318,13 @@ def _check(r: Recipe) -> None:
                                          not all(isinstance(i, int) and not isinstance(i, bool)
                                                  for i in r.convert.layers)):
         raise ConfigError(f"convert.layers={r.convert.layers!r} must be null or a list of layer indices")
+    _positive("convert.keep_softmax", r.convert.keep_softmax, zero_ok=True)
+    if r.convert.keep_softmax and not r.calibrate.enabled:
+        raise ConfigError(f"convert.keep_softmax={r.convert.keep_softmax} picks the layers by their calibrated error: "
+                          "set calibrate.enabled: true")
+    if r.convert.layers is not None and r.convert.keep_softmax >= len(r.convert.layers):
+        raise ConfigError(f"convert.keep_softmax={r.convert.keep_softmax} must be smaller than the "
+                          f"{len(r.convert.layers)} layers of convert.layers")
     try:
         make_config(r.convert.backend, **r.convert.options)
     except (TypeError, ValueError) as err:

@@ -60,7 +60,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 import hf_attention_backends as hfab
-from hf_attention_backends.calibrate import TeacherForcing, calibrate, converted_layers, forward_kwargs
+from hf_attention_backends.calibrate import TeacherForcing, calibrate, converted_layers, forward_kwargs, worst_layers
 
 from .checkpoint import EpochSampler, check_compatible, read_state, resolve_resume, save_checkpoint
 from .config import ConfigError, Recipe, load_recipe
@@ -487,10 +487,28 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
     def evaluate_fn(model):
         return evaluate(accelerator, model, teacher, eval_loader, causal, t.eval_batches)
 
+    def calibrate_student(model) -> dict:
+        cal = recipe.calibrate
+        global_batch = d.batch_size * accelerator.num_processes  # every process calibrates on the same rows
+        batches = [{k: v.to(accelerator.device) for k, v in b.items()}
+                   for _, b in zip(range(cal.batches), torch.utils.data.DataLoader(train_rows, global_batch))]
+        with accelerator.autocast():  # the training precision (the Stieltjes kernels take fp16/bf16 only)
+            return calibrate(model, batches, race_betas=cal.race_betas, stieltjes_orders=cal.stieltjes_orders,
+                             temperatures=cal.stieltjes_temperatures, steps=cal.steps, lr=cal.lr)
+
     summary = {"backend": c.backend, "model": recipe.model.name}
     if state is not None:
         summary = state["summary"]
-    else:
+    if c.keep_softmax:  # the plan: back to softmax go the layers worst after calibration (kept across a resume)
+        if state is None:
+            every_layer = calibrate_student(student)
+            summary["kept_softmax"] = worst_layers(every_layer, c.keep_softmax)
+            log.event(event="plan_calibration", report=every_layer)
+        kept = summary["kept_softmax"]
+        plan = [idx for idx, _ in converted_layers(student) if idx not in kept]
+        student = hfab.convert(teacher, c.backend, plan, **c.options).requires_grad_(True)  # as the first copy
+        log.event(event="plan", kept_softmax=kept, converted=plan)
+    if state is None:
         if causal:
             summary["teacher"] = evaluate(accelerator, teacher, None, eval_loader, causal, t.eval_batches)
             log.metrics("teacher", 0, eval=summary["teacher"])
@@ -498,13 +516,7 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
         log.metrics("converted", 0, eval=summary["converted"])
 
     if recipe.calibrate.enabled:  # redone on resume: the Stieltjes order lives in the config, not the state
-        cal = recipe.calibrate
-        global_batch = d.batch_size * accelerator.num_processes  # every process calibrates on the same rows
-        batches = [{k: v.to(accelerator.device) for k, v in b.items()}
-                   for _, b in zip(range(cal.batches), torch.utils.data.DataLoader(train_rows, global_batch))]
-        with accelerator.autocast():  # the training precision (the Stieltjes kernels take fp16/bf16 only)
-            report = calibrate(student, batches, race_betas=cal.race_betas, stieltjes_orders=cal.stieltjes_orders,
-                               temperatures=cal.stieltjes_temperatures, steps=cal.steps, lr=cal.lr)
+        report = calibrate_student(student)
         if state is None:
             log.event(stage="calibrate", report=report)
             if accelerator.is_main_process:

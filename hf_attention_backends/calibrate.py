@@ -8,6 +8,7 @@ every layer sees the hidden states of the softmax model and layers are scored (a
     model = hfab.convert(model, "race", per_head_beta=True)
     report = calibrate(model, batches, steps=20)      # batches: dicts of forward kwargs
     report["before"], report["after"]                 # {layer: relative error}
+    keep = worst_layers(report, 8)                    # a hybrid plan: these 8 back to softmax, convert the rest
 
 Error of layer i: ``sum((out - ref)**2) / sum(ref**2)`` over the real tokens (``attention_mask`` of the batch)
 of the attention module's first output (the projected output for Llama-like families, the context before
@@ -35,7 +36,8 @@ from torch import Tensor
 
 from .integrations import attention_layers, head_dims
 
-__all__ = ["TeacherForcing", "calibrate", "layer_errors", "converted_layers", "forward_kwargs", "DEFAULT_STIELTJES_ORDERS",
+__all__ = ["TeacherForcing", "calibrate", "layer_errors", "converted_layers", "forward_kwargs", "worst_layers",
+           "DEFAULT_STIELTJES_ORDERS",
            "DEFAULT_STIELTJES_TEMPERATURES", "DEFAULT_RACE_BETA_FACTORS"]
 
 DEFAULT_STIELTJES_ORDERS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
@@ -51,6 +53,16 @@ def converted_layers(model) -> list[tuple[int, torch.nn.Module]]:
         raise ValueError(f"{type(model).__name__} has no converted attention layer; call hf_attention_backends."
                          "convert(model, backend) first")
     return layers
+
+
+def worst_layers(report: dict, count: int) -> list[int]:
+    """The ``count`` layers with the largest error after calibration (``report["after"]`` of :func:`calibrate`), in
+    layer order: the layers to leave on softmax in a hybrid plan. ValueError unless 0 <= count < the layers."""
+    errors = report["after"]
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count < len(errors):
+        raise ValueError(f"count={count!r} must be an int in [0, {len(errors)}) (the report's converted layers)")
+    worst = sorted(errors, key=lambda idx: (-errors[idx], idx))[:count]
+    return sorted(int(idx) for idx in worst)
 
 
 class TeacherForcing:

@@ -548,6 +548,50 @@ def test_checkpoint_resumes_to_the_identical_next_step(tmp_path, monkeypatch, ke
 
 
 @pytest.mark.slow
+def test_keep_softmax_trains_the_hybrid_plan_chosen_by_calibration_and_resumes_it(tmp_path):
+    """convert.keep_softmax: 1 on the 2-layer smoke model: the layer with the larger error after calibrating both
+    (the logged all-layer report) stays on softmax, the other one is converted, calibrated, trained and saved as the
+    plan; a resume from a transfer checkpoint rebuilds the same plan (from the checkpoint's summary) and ends bitwise
+    where the first run ended."""
+    def recipe(out_dir):
+        r = smoke_recipe(out_dir, plot=False)
+        r.convert.keep_softmax = 1
+        return r
+
+    first = tmp_path / "first"
+    summary = run(recipe(first))
+    records = [json.loads(line) for line in (first / "log.jsonl").read_text().splitlines()]
+    (report,) = [r["report"] for r in records if r.get("event") == "plan_calibration"]
+    errors = {int(idx): err for idx, err in report["after"].items()}
+    assert sorted(errors) == [0, 1] and summary["kept_softmax"] == [max(errors, key=errors.get)]
+    (plan,) = [r for r in records if r.get("event") == "plan"]
+    assert plan["converted"] == [1 - summary["kept_softmax"][0]]
+    assert sorted(int(i) for i in json.loads((first / "calibration.json").read_text())["after"]) == plan["converted"]
+    loaded = hfab.from_pretrained(first / "final")
+    assert [idx for idx, _ in converted_layers(loaded)] == plan["converted"]
+    again = tmp_path / "again"
+    shutil.copytree(first, again)
+    assert run(recipe(again), resume=str(again / "checkpoints" / "transfer-000002")) == summary
+    assert comparable(read_csv(again / "log.csv")) == comparable(read_csv(first / "log.csv"))
+
+
+def test_worst_layers_and_keep_softmax_validation():
+    from hf_attention_backends.calibrate import worst_layers
+
+    report = {"after": {0: 0.5, 3: 2.0, 5: 2.0, 7: 0.1}}
+    assert worst_layers(report, 0) == [] and worst_layers(report, 1) == [3] and worst_layers(report, 3) == [0, 3, 5]
+    for bad in (4, -1, True, 1.0):
+        with pytest.raises(ValueError, match=r"must be an int in \[0, 4\)"):
+            worst_layers(report, bad)
+    with pytest.raises(ConfigError, match="convert.keep_softmax=2 picks the layers by their calibrated error"):
+        recipe_from_dict({"convert": {"keep_softmax": 2}, "calibrate": {"enabled": False}})
+    with pytest.raises(ConfigError, match="convert.keep_softmax=2 must be smaller than the 2 layers"):
+        recipe_from_dict({"convert": {"keep_softmax": 2, "layers": [0, 1]}, "calibrate": {"enabled": True}})
+    with pytest.raises(ConfigError, match="convert.keep_softmax=-1 must be >= 0"):
+        recipe_from_dict({"convert": {"keep_softmax": -1}, "calibrate": {"enabled": True}})
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("shift", [True, False])
 def test_resume_past_the_first_epoch_with_and_without_shifted_windows(tmp_path, shift):
     """Two documents in 8 rows of 512 tokens, batches of 4: each stage's 5 steps pass epochs 0, 1 and 2; a resume
