@@ -1,6 +1,7 @@
 """The wheel: what setup.py ships besides the package proper (finetune/, model_tests/, integrations/, configs/), and
 that an installed wheel finds its bundled recipes without the source checkout."""
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -47,3 +48,24 @@ def test_installed_wheel_lists_and_reads_its_bundled_recipes(wheel, tmp_path):
     listed = [line.split() for line in out[2:] if line.startswith("  ")]
     assert {name for name, _ in listed} >= {"tiny_smoke", "smollm2_race", "single_gpu", "fsdp"}
     assert all(Path(path).is_relative_to(target) and Path(path).is_file() for _, path in listed)
+
+
+@pytest.mark.slow
+def test_installed_wheel_runs_a_bundled_recipe_as_a_module(wheel, tmp_path):
+    """`python -m hf_attention_backends.finetune.train --config tiny_smoke` from the installed wheel alone (what
+    `accelerate launch -m ...` runs): both stages, a final model that reloads."""
+    target, out = tmp_path / "site", tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(target), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "hf_attention_backends.finetune.train", "--config", "tiny_smoke",
+                           "--output-dir", str(out), "--set", "train.plot=false"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"transfer", "fine_tune", "final"} <= set(summary) and summary["final"]["ppl"] > 1
+    check = ("import sys, hf_attention_backends as h; m = h.from_pretrained(sys.argv[1]); "
+             "print(h.__file__, m.config.hfab_plan['backend'])")
+    loaded = subprocess.run([sys.executable, "-c", check, str(out / "final")], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300, check=True).stdout.split()
+    assert Path(loaded[0]).is_relative_to(target) and loaded[1] == "race"
