@@ -108,15 +108,24 @@ def head_study(q: Tensor, k: Tensor, v: Tensor, planes: Tensor, skip_rows: int,
             "plain": best_plain, "sink": best_sink, "scale": best_scale}
 
 
+def full_articles(tokenizer, texts: int, seq_len: int) -> dict:
+    """``texts`` news articles cut to ``seq_len`` tokens, every token real: {input_ids, attention_mask}; ValueError if
+    an article is shorter."""
+    from hf_attention_backends import models
+
+    batch = tokenizer(models.news_articles(texts, min_chars=6 * seq_len), truncation=True, max_length=seq_len,
+                      padding=True, return_tensors="pt")
+    if not bool(batch["attention_mask"].all()):
+        raise ValueError(f"an article is shorter than seq_len={seq_len} tokens; lower --seq-len")
+    return batch
+
+
 def study(planes_per_table: int, tables: int, texts: int, seq_len: int, skip_rows: int) -> list[dict]:
     """One row per SmolLM2 layer: the head means of ``head_study``."""
     from hf_attention_backends import make_planes, models
 
     model, tokenizer = models.load_smollm2(attn_implementation="sdpa")
-    batch = tokenizer(models.news_articles(texts, min_chars=6 * seq_len), truncation=True, max_length=seq_len,
-                      padding=True, return_tensors="pt")
-    if not bool(batch["attention_mask"].all()):
-        raise ValueError(f"an article is shorter than seq_len={seq_len} tokens; lower --seq-len")
+    batch = full_articles(tokenizer, texts, seq_len)
     rows = []
     for layer, (q, k, v) in sorted(capture_qkv(model, batch).items()):
         planes = make_planes(tables, planes_per_table, q.shape[-1], seed=layer, dtype=torch.float64)

@@ -178,13 +178,11 @@ def main(argv: Optional[list] = None) -> int:
     args = parser.parse_args(argv)
     if args.texts < 4:
         parser.error(f"--texts={args.texts} must be >= 4 (a quarter is held out)")
+    from benchmarks.race_sink_study import full_articles
     from hf_attention_backends import models
 
     model, tokenizer = models.load_smollm2(attn_implementation="sdpa")
-    batch = tokenizer(models.news_articles(args.texts, min_chars=6 * args.seq_len), truncation=True,
-                      max_length=args.seq_len, padding=True, return_tensors="pt")
-    if not bool(batch["attention_mask"].all()):
-        raise ValueError(f"an article is shorter than seq_len={args.seq_len} tokens; lower --seq-len")
+    batch = full_articles(tokenizer, args.texts, args.seq_len)
     held_out = args.texts // 4
     train_rows, test_rows = torch.arange(args.texts - held_out), torch.arange(args.texts - held_out, args.texts)
     curves = {}

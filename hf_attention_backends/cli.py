@@ -162,9 +162,7 @@ def finetune_module():
 def run_finetune(args) -> int:
     train = finetune_module()
     if args.list:
-        from importlib import import_module
-
-        config = import_module(train.__name__.rsplit(".", 1)[0] + ".config")
+        config = sys.modules[f"{train.__package__}.config"]  # imported by train
         for kind in config.CONFIG_KINDS:
             print(f"{kind}:")
             for name, path in config.bundled_configs(kind).items():
