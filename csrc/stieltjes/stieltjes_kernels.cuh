@@ -19,8 +19,8 @@
 //                         to -inf; needs scale > 0). The training variant (STATE) also keeps, per row, sum P
 //                         and u = sum r v / sum r (the output sweep's second product), so that
 //                         delta = sum dP r / sum r = dO . u needs no sweep in the backward
-//   stieltjes_dq_kernel   (query block of 64, q head, batch), key tiles of 128 (64 at D 128): delta = dO . u (to scratch),
-//                         one sweep for dq = scale dS K
+//   stieltjes_dq_kernel   (query block of 64, q head, batch), key tiles of 128 (64 at D 128): delta = dO . u
+//                         (to scratch), one sweep for dq = scale dS K
 //   stieltjes_dkv_kernel  (key block of 64, kv head, batch): loops over the group's q heads and the query
 //                         tiles (32, or 16 at D 128): dv = (P / sum P)^T dO, dk = scale dS^T Q; no atomics
 // Products whose left operand is computed in fp32 (P, dS) are split into a 16-bit high part and a 16-bit
@@ -298,7 +298,7 @@ template <int D> struct FwdCfg {
   static constexpr int BQ = 64, BK = 64, KS = 32;  // key tiles of BK, computed in sub-tiles of KS keys
   // blocks per SM the registers must allow: caps registers at 128 (D <= 64: 4 blocks), 255 (D 128: 2 blocks by
   // its ~190 registers); lower caps (96, 80) spill. The training variant's u accumulators (D / 2 registers) need
-  // 168 at D <= 64 (3 blocks)
+  // 168 at D <= 64 (3 blocks); at D 128 it sweeps once more instead
   static constexpr int min_blocks(bool state) { return D <= 64 ? (state ? 3 : 4) : 2; }
   struct Smem {  // key tiles double-buffered (cp.async prefetch of the next tile)
     HTile<BK, D> k[2];
@@ -464,54 +464,81 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
   else if (order >= kHalleyMinOrder) steps(std::true_type{});
   else steps(std::false_type{});
 
-  // o = P V and, for STATE, ru = R V (R = y^(-order-1)); l = sum P, lr = sum R
-  float o[D / 8][4], ru[D / 8][4], l[2] = {0.f, 0.f}, lr[2] = {0.f, 0.f};
+  // The output sweep: o = P V, l = sum P and, for STATE, ru = R V, lr = sum R (R = y^(-order-1)): one sweep for
+  // both at D <= 64; D 128 has no registers for both accumulators at once (255 and spills), so its training forward
+  // sweeps again for ru, in o's registers (its backward saves the same sweep).
+  float o[D / 8][4], l[2] = {0.f, 0.f}, lr[2] = {0.f, 0.f};
+  auto output_sweep = [&](auto want_p, auto want_r, float (&po)[D / 8][4], float (&ro)[D / 8][4]) {
+    constexpr bool kP = decltype(want_p)::value, kR = decltype(want_r)::value;
 #pragma unroll
-  for (int t = 0; t < D / 8; ++t)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[t][e] = ru[t][e] = 0.f;
-  shift_by_max();
-  sweep(true, [&](float (&s)[NT][4], int buf, int koff, bool) {
-    float rs[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
+    for (int t = 0; t < D / 8; ++t)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float pp;
-        powers<IORD>(fmaf(s[j][e], neg_scale, lam_m[e / 2]), order, pp, rs[j][e]);
-        s[j][e] = pp;
-        l[e / 2] += pp;
-        if constexpr (STATE) lr[e / 2] += rs[j][e];
+        if constexpr (kP) po[t][e] = 0.f;
+        if constexpr (kR) ro[t][e] = 0.f;
       }
-    mma_xb<NT, BK, D, T>(o, s, sm.u.v[buf], lane, koff);
-    if constexpr (STATE) mma_xb<NT, BK, D, T>(ru, rs, sm.u.v[buf], lane, koff);
+    shift_by_max();
+    sweep(true, [&](float (&s)[NT][4], int buf, int koff, bool) {
+      float rs[NT][4];
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float pp;
+          powers<IORD>(fmaf(s[j][e], neg_scale, lam_m[e / 2]), order, pp, rs[j][e]);
+          s[j][e] = pp;
+          if constexpr (kP) l[e / 2] += pp;
+          if constexpr (kR) lr[e / 2] += rs[j][e];
+        }
+      if constexpr (kP) mma_xb<NT, BK, D, T>(po, s, sm.u.v[buf], lane, koff);
+      if constexpr (kR) mma_xb<NT, BK, D, T>(ro, rs, sm.u.v[buf], lane, koff);
+    });
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if constexpr (kP) l[r] = mma::quad_sum(l[r]);
+      if constexpr (kR) lr[r] = mma::quad_sum(lr[r]);
+    }
+  };
+  // each row's values, columns 8 dt + c, c + 1 of acc divided by the row's sum, stored by store(row, dt, x0, x1)
+  auto store_rows = [&](const float (&acc)[D / 8][4], const float (&sum)[2], auto&& store) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = r0 + g + 8 * r;
+      if (i >= p.nq) continue;
+      const long long row = (long long)(b * p.hq + h) * p.nq + i;
+      const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) store(row, dt, acc[dt][2 * r] * inv, acc[dt][2 * r + 1] * inv);
+    }
+  };
+  auto store_u = [&](const float (&ru)[D / 8][4]) {
+    store_rows(ru, lr, [&](long long row, int dt, float x0, float x1) {
+      *reinterpret_cast<float2*>(p.u + row * D + 8 * dt + c) = make_float2(x0, x1);
+    });
+  };
+  if constexpr (STATE && D <= 64) {
+    float ru[D / 8][4];
+    output_sweep(std::true_type{}, std::true_type{}, o, ru);
+    store_u(ru);
+  } else {
+    output_sweep(std::true_type{}, std::false_type{}, o, o);
+  }
+  store_rows(o, l, [&](long long row, int dt, float x0, float x1) {
+    *reinterpret_cast<unsigned*>(static_cast<T*>(p.o) + row * D + 8 * dt + c) =
+        Pair<T>::from_float2(make_float2(x0, x1));
   });
-
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l[r] = mma::quad_sum(l[r]);
-    if constexpr (STATE) lr[r] = mma::quad_sum(lr[r]);
     const int i = r0 + g + 8 * r;
-    if (i >= p.nq) continue;
+    if (i >= p.nq || lane % 4 != 0) continue;
     const long long row = (long long)(b * p.hq + h) * p.nq + i;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    T* out = static_cast<T*>(p.o) + row * D;
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-      *reinterpret_cast<unsigned*>(out + 8 * dt + c) =
-          Pair<T>::from_float2(make_float2(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv));
-    if constexpr (STATE) {
-      const float inv_r = lr[r] > 0.f ? 1.f / lr[r] : 0.f;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt)
-        *reinterpret_cast<float2*>(p.u + row * D + 8 * dt + c) =
-            make_float2(ru[dt][2 * r] * inv_r, ru[dt][2 * r + 1] * inv_r);
-    }
-    if (lane % 4 == 0) {
-      p.rowmax[row] = m[r];
-      p.lam[row] = lam[r];
-      if constexpr (STATE) p.lsum[row] = l[r];
-    }
+    p.rowmax[row] = m[r];
+    p.lam[row] = lam[r];
+    if constexpr (STATE) p.lsum[row] = l[r];
+  }
+  if constexpr (STATE && D > 64) {
+    output_sweep(std::false_type{}, std::true_type{}, o, o);
+    store_u(o);
   }
 }
 
