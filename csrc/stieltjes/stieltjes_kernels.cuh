@@ -314,6 +314,7 @@ template <typename T, int D, int IORD, bool STATE>
 __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stieltjes_fwd_kernel(const Params p) {
   using Cfg = FwdCfg<D>;
   constexpr int BQ = Cfg::BQ, BK = Cfg::BK, KS = Cfg::KS, NT = KS / 8;
+  using Sub = std::integral_constant<int, KS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = 2 * (lane % 4);
@@ -342,7 +343,9 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
   // -inf where not allowed; all: every pair of the warp's sub-tile is allowed. The body is inlined on each path (the
   // interior one without a join that would copy the masked path's scores into the same registers). Sub-tiles past
   // the warp's last visible key (causal) are skipped: all their pairs are masked.
-  auto sweep = [&](bool with_v, auto&& body) {
+  // sub: std::integral_constant<int, sub-tile width> (KS, or 16 where the body keeps more registers live)
+  auto sweep = [&](bool with_v, auto&& body, auto sub) {
+    constexpr int W = decltype(sub)::value, NW = W / 8;
     if (tiles == 0) return;
     __syncthreads();  // readers of the previous sweep's buffers (and of q, aliased with v) are done
     issue(with_v, 0);
@@ -352,12 +355,12 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
       __syncthreads();  // tile `tile` has landed for every thread; tile - 1's readers are done
       if (tile + 1 < tiles) issue(with_v, tile + 1);  // overwrites the buffer tile - 1 used
 #pragma unroll
-      for (int koff = 0; koff < BK; koff += KS) {
+      for (int koff = 0; koff < BK; koff += W) {
         const int k0 = tile * BK + koff;
         if (k0 >= warp_keys) break;  // warp-uniform
-        float s[NT][4];
-        mma_abt<NT, BK, D, T>(s, qf, sm.k[buf], lane, koff);
-        if (k0 + KS <= warp_interior) {  // warp-uniform: interior sub-tiles skip the mask
+        float s[NW][4];
+        mma_abt<NW, BK, D, T>(s, qf, sm.k[buf], lane, koff);
+        if (k0 + W <= warp_interior) {  // warp-uniform: interior sub-tiles skip the mask
           body(s, buf, koff, true);
         } else {
           mask_raw(s, p, tile_needs_bias<BK>(p, tile * BK) ? sm.kbias[buf] + koff : nullptr, r0, k0, lane);
@@ -392,7 +395,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
           cnt[e / 2] += 1.f;
           sum[e / 2] += s[j][e];
         }
-  });
+  }, Sub{});
   float lam[2], neg_m[2], upper[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -432,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
           s1[e / 2] = fmaf(pp, inv, s1[e / 2]);  // y^(-order-1) = p / y, fused (rr unused)
           if constexpr (kHalley) s2[e / 2] = fmaf(pp, inv * inv, s2[e / 2]);
         }
-    });
+    }, Sub{});
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       f[r] = mma::quad_sum(f[r]);
@@ -478,10 +481,11 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
         if constexpr (kR) ro[t][e] = 0.f;
       }
     shift_by_max();
-    sweep(true, [&](float (&s)[NT][4], int buf, int koff, bool) {
-      float rs[NT][4];
+    sweep(true, [&](auto& s, int buf, int koff, bool) {
+      constexpr int NW = std::extent_v<std::remove_reference_t<decltype(s)>>;
+      float rs[NW][4];
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
+      for (int j = 0; j < NW; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float pp;
@@ -490,9 +494,9 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
           if constexpr (kP) l[e / 2] += pp;
           if constexpr (kR) lr[e / 2] += rs[j][e];
         }
-      if constexpr (kP) mma_xb<NT, BK, D, T>(po, s, sm.u.v[buf], lane, koff);
-      if constexpr (kR) mma_xb<NT, BK, D, T>(ro, rs, sm.u.v[buf], lane, koff);
-    });
+      if constexpr (kP) mma_xb<NW, BK, D, T>(po, s, sm.u.v[buf], lane, koff);
+      if constexpr (kR) mma_xb<NW, BK, D, T>(ro, rs, sm.u.v[buf], lane, koff);
+    }, std::integral_constant<int, kP && kR ? 16 : KS>{});  // both products: sub-tiles of 16 keys, fewer registers
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if constexpr (kP) l[r] = mma::quad_sum(l[r]);
