@@ -156,11 +156,16 @@ setup(
     version="0.1.0",
     description="Fast Nyström, Stieltjes, RACE and exact attention kernels behind transformers' AttentionInterface",
     packages=find_packages(include=["hf_attention_backends", "hf_attention_backends.*"])
-    + ["hf_attention_backends.integrations", "hf_attention_backends.model_tests", "hf_attention_backends.finetune"],
+    + ["hf_attention_backends.integrations", "hf_attention_backends.model_tests", "hf_attention_backends.finetune",
+       "hf_attention_backends.configs.finetune", "hf_attention_backends.configs.accelerate"],
     package_dir={"hf_attention_backends.integrations": "integrations",
                  "hf_attention_backends.model_tests": "model_tests",
-                 "hf_attention_backends.finetune": "finetune"},
-    package_data={"hf_attention_backends.integrations": ["*.yaml"]},
+                 "hf_attention_backends.finetune": "finetune",
+                 "hf_attention_backends.configs.finetune": "configs/finetune",  # the recipes, by name: hfab finetune
+                 "hf_attention_backends.configs.accelerate": "configs/accelerate"},
+    package_data={"hf_attention_backends.integrations": ["*.yaml"],
+                  "hf_attention_backends.configs.finetune": ["*.yaml"],
+                  "hf_attention_backends.configs.accelerate": ["*.yaml", "README.md"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "transformers>=5.0", "safetensors", "tqdm", "pyyaml", "numpy"],
     extras_require={

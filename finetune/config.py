@@ -176,12 +176,39 @@ TEXT_UNITS = ("rows", "sentences")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 
 
+# configs/ of the source checkout, or of an installed wheel (setup.py ships it as hf_attention_backends/configs/):
+# either way one folder above this file's package folder.
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_KINDS = ("finetune", "accelerate")
+
+
+def bundled_configs(kind: str = "finetune") -> dict[str, Path]:
+    """{name: path} of the YAML files shipped in ``configs/<kind>/`` (kind: ``finetune`` recipes or ``accelerate``
+    launch configs), sorted by name; empty where the folder is missing."""
+    if kind not in CONFIG_KINDS:
+        raise ValueError(f"kind={kind!r} is not supported; supported: {', '.join(CONFIG_KINDS)}")
+    folder = CONFIGS_DIR / kind
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))} if folder.is_dir() else {}
+
+
+def recipe_path(config) -> Path:
+    """``config`` itself when it is a file, else the bundled recipe of that name (``smollm2_race`` or
+    ``smollm2_race.yaml``, :func:`bundled_configs`); ConfigError naming the bundled recipes otherwise."""
+    path = Path(config)
+    if path.is_file():
+        return path
+    bundled = bundled_configs("finetune")
+    if path.parent == Path(".") and path.stem in bundled and path.suffix in ("", ".yaml"):
+        return bundled[path.stem]
+    raise ConfigError(f"config={str(config)!r} is neither a file nor a bundled recipe; bundled: "
+                      f"{', '.join(bundled) or 'none (configs/finetune not found)'}")
+
+
 def load_recipe(path, overrides=()) -> Recipe:
-    """Read a YAML recipe, apply ``overrides`` (``"section.key=value"`` strings, see :func:`apply_overrides`) and
-    validate it; ConfigError for anything malformed."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config={str(path)!r} is not a file")
+    """Read a YAML recipe (a path, or the name of a bundled one: :func:`recipe_path`), apply ``overrides``
+    (``"section.key=value"`` strings, see :func:`apply_overrides`) and validate it; ConfigError for anything
+    malformed."""
+    path = recipe_path(path)
     with open(path) as f:
         data = yaml.safe_load(f) or {}
     return recipe_from_dict(apply_overrides(data, overrides))

@@ -3,6 +3,7 @@
     accelerate launch --config_file configs/accelerate/single_gpu.yaml finetune/train.py \\
         --config configs/finetune/smollm2_race.yaml
     python finetune/train.py --config configs/finetune/tiny_smoke.yaml        # one process, CPU or one GPU
+    accelerate launch -m hf_attention_backends.finetune.train --config smollm2_race  # installed wheel, bundled recipe
 
 Steps (the recipe, ``finetune/config.py``, says which run):
 
@@ -636,7 +637,8 @@ def run(recipe: Recipe, resume: Optional[str] = None) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="YAML recipe (configs/finetune/<name>.yaml)")
+    parser.add_argument("--config", required=True,
+                        help="YAML recipe: a file, or the name of a bundled one (configs/finetune/<name>.yaml)")
     parser.add_argument("--output-dir", help="overrides the recipe's output_dir")
     parser.add_argument("--resume", metavar="DIR|latest",
                         help="continue from a checkpoint folder (<output_dir>/checkpoints/<stage>-<step>) or the "

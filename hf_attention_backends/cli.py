@@ -115,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Convert a model, calibrate it and win its quality back (attention "
                                           "transfer, then LoRA/full fine-tuning) as the YAML recipe says, in this "
                                           "one process (CPU or one GPU). " + FINETUNE_LAUNCH)
-    finetune.add_argument("--config", required=True, metavar="YAML", help="the recipe (configs/finetune/<name>.yaml)")
+    finetune.add_argument("--config", metavar="YAML|NAME",
+                          help="the recipe: a YAML file, or the name of a bundled one (see --list)")
+    finetune.add_argument("--list", action="store_true",
+                          help="print the bundled recipes and accelerate launch configs with their paths, then exit")
     finetune.add_argument("--output-dir", metavar="DIR", help="overrides the recipe's output_dir")
     finetune.add_argument("--resume", metavar="DIR|latest",
                           help="continue from a checkpoint folder (<output_dir>/checkpoints/<stage>-<step>) or the "
@@ -128,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 FINETUNE_LAUNCH = ("Several GPUs (DDP or FSDP, one or many nodes): accelerate launch --config_file "
-                   "configs/accelerate/{multi_gpu,fsdp}.yaml finetune/train.py --config <recipe> (the same flags).")
+                   "configs/accelerate/{multi_gpu,fsdp}.yaml finetune/train.py --config <recipe> (the same flags; "
+                   "from an installed wheel: -m hf_attention_backends.finetune.train, config paths from --list).")
 
 
 def finetune_module():
@@ -151,6 +155,17 @@ def finetune_module():
 
 def run_finetune(args) -> int:
     train = finetune_module()
+    if args.list:
+        from importlib import import_module
+
+        config = import_module(train.__name__.rsplit(".", 1)[0] + ".config")
+        for kind in config.CONFIG_KINDS:
+            print(f"{kind}:")
+            for name, path in config.bundled_configs(kind).items():
+                print(f"  {name:<22} {path}")
+        return 0
+    if args.config is None:
+        raise CliError("hfab finetune needs --config YAML|NAME (or --list for the bundled recipes)")
     print(f"hfab finetune: one process on {'cuda' if torch.cuda.is_available() else 'cpu'}. {FINETUNE_LAUNCH}",
           file=sys.stderr)
     recipe = train.load_recipe(args.config, args.overrides)

@@ -3,6 +3,7 @@ columns, rows, plot), the skip/OOM/error/budget rules with probe providers, timi
 the ptxas report and scripts/gpu_check.sh in its CPU mode."""
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,9 +13,10 @@ import pytest
 import torch
 
 import hf_attention_backends  # noqa: F401  (imported at collection, not inside the first test's timing)
-from benchmarks import (ab_csv, ptxas_report, registry, report, run, sass_report, stieltjes_fused_start, stieltjes_real_rows,
-                        stieltjes_solver, timing)
+from benchmarks import (ab_csv, ptxas_report, race_sink_study, registry, report, run, sass_report, stieltjes_fused_start,
+                        stieltjes_real_rows, stieltjes_solver, timing)
 from benchmarks.registry import Case, Provider
+from hf_attention_backends import make_planes, race_attention
 from hf_attention_backends.ops.stieltjes.reference import solve_lambda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -703,3 +705,78 @@ def test_stieltjes_solver_bimodal_study():
     assert 1e-3 < worst["one more"][0] < worst["fixed"][0] < worst["jensen"][0]
     assert worst["adaptive"][0] < 1e-3
     assert worst["rows"] == 108 and worst["fixed worse than jensen"] < 0.1 * worst["rows"]
+
+
+def test_race_sink_study_kernel_matrix_gives_the_reference_output():
+    """The study's explicit N x N kernel matrix (num / den) against the library's chunked causal reference op."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 150, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    planes = make_planes(2, 3, 16, seed=1, dtype=torch.float64)
+    num, den = race_sink_study.race_num_den(q, k, v, planes, 0.7)
+    ref = race_attention(q, k, v, planes=planes, beta=torch.tensor(0.7, dtype=torch.float64), causal=True)
+    torch.testing.assert_close(num / den, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_race_sink_study_sink_term_fits_a_sink_head():
+    """A head that puts ~92% of each row on token 0, whose value row is 0: its outputs are short, RACE without a sink
+    gives about the mean of v (error far above 1), and the sink term brings the error near 0. GQA: both q heads read
+    the one kv head."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.zeros(1, 2, 64, 16, dtype=torch.float64)
+    q[..., 0] = 4.0
+    k = 0.3 * torch.randn(1, 1, 64, 16, generator=g, dtype=torch.float64)
+    k[:, :, 0, 0] = 6.0
+    v = 1.0 + 0.1 * torch.randn(1, 1, 64, 16, generator=g, dtype=torch.float64)
+    v[:, :, 0] = 0.0
+    stats = race_sink_study.head_study(q, k, v, make_planes(2, 3, 16, seed=0, dtype=torch.float64), skip_rows=8)
+    assert all(x.shape == (2,) for x in stats.values())
+    assert bool((stats["sink_share"] > 0.9).all()) and bool((stats["out_to_v"] < 0.01).all())
+    assert bool((stats["plain"] > 10).all()) and bool((stats["sink"] < 1e-2).all())
+    assert bool((stats["scale"] <= stats["plain"]).all())  # the least-squares constant beats the constant 1
+    no_sink = race_sink_study.head_study(q, k, v, make_planes(2, 3, 16, seed=0, dtype=torch.float64), skip_rows=8,
+                                         sink_factors=(0.0,))
+    torch.testing.assert_close(no_sink["sink"], stats["plain"], rtol=0, atol=0)
+
+
+def test_race_sink_study_output_factors_never_raise_a_layers_error():
+    """scale_outputs picks per layer the o_proj factor of least teacher-forced error, the softmax teacher keeping the
+    original weights: measured that way, no layer's error rises (1 is in the grid), the weights end as the chosen
+    factor times the original and keep their requires_grad. (A teacher scaled with the student, which is what a
+    TeacherForcing entered after the scaling gives, makes the errors nearly scale-free and the choice arbitrary.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_attention_backends import convert
+    from hf_attention_backends.calibrate import TeacherForcing, converted_layers, forward_kwargs, layer_errors
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=128, vocab_size=97,
+                                         attn_implementation="sdpa")).eval()
+    with torch.no_grad():  # peaked softmax rows, which RACE's kernel does not follow
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+            layer.self_attn.k_proj.weight.mul_(8.0)
+    model = convert(model, "race", num_planes=3, num_tables=2, per_head_beta=True)
+    modules = dict(converted_layers(model))
+    for module in modules.values():
+        module.o_proj.weight.requires_grad_(False)
+    batches = [{"input_ids": torch.randint(0, 97, (2, 40)), "attention_mask": torch.ones(2, 40, dtype=torch.long)}]
+    before = layer_errors(model, batches)
+    weights = {idx: m.o_proj.weight.detach().clone() for idx, m in modules.items()}
+    factors = race_sink_study.scale_outputs(model, batches, factors=(0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 2.0))
+    assert set(factors) == set(before)
+    for idx, module in modules.items():
+        torch.testing.assert_close(module.o_proj.weight, weights[idx] * factors[idx], rtol=0, atol=0)
+        assert not module.o_proj.weight.requires_grad
+    with torch.no_grad():
+        for idx, module in modules.items():
+            module.o_proj.weight.copy_(weights[idx]).requires_grad_(True)
+        with TeacherForcing(model) as forcing:  # snapshot of the originals for the teacher
+            for idx, module in modules.items():
+                module.o_proj.weight.mul_(factors[idx])
+            forcing.token_mask, forcing.terms = batches[0]["attention_mask"], {}
+            model(**forward_kwargs(model, batches[0]))
+            after = {idx: float(err) / float(ref) for idx, (err, ref, _) in forcing.terms.items()}
+    assert all(after[idx] <= before[idx] * (1 + 1e-6) for idx in before)
+    ppl = race_sink_study.perplexity(model, batches[0], rows_per_forward=1)
+    assert math.isfinite(ppl) and ppl > 1

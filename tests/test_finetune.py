@@ -13,7 +13,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 import hf_attention_backends as hfab
 from hf_attention_backends.calibrate import TeacherForcing, converted_layers, forward_kwargs
-from finetune.config import ConfigError, Recipe, load_recipe, recipe_from_dict
+from finetune.config import ConfigError, Recipe, bundled_configs, load_recipe, recipe_from_dict, recipe_path
 from finetune.data import (ByteTokenizer, ShiftedRows, encode, load_documents, row_starts, split_documents,
                            split_sentences, texts_in_unit, tokenize_rows)
 from finetune.models import load_model
@@ -30,6 +30,23 @@ SMOKE = ROOT / "configs" / "finetune" / "tiny_smoke.yaml"
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs" / "finetune").glob("*.yaml")))
 def test_shipped_recipes_validate(name):
     load_recipe(ROOT / "configs" / "finetune" / name)
+
+
+def test_bundled_recipes_by_name(tmp_path, monkeypatch):
+    """A recipe name (with or without .yaml) reads the shipped file; a file of that name in the working directory
+    wins; a path with a folder or an unknown name is an error that lists the bundled names."""
+    assert set(bundled_configs("finetune")) == {p.stem for p in (ROOT / "configs" / "finetune").glob("*.yaml")}
+    assert set(bundled_configs("accelerate")) == {p.stem for p in (ROOT / "configs" / "accelerate").glob("*.yaml")}
+    monkeypatch.chdir(tmp_path)
+    assert recipe_path("tiny_smoke") == recipe_path("tiny_smoke.yaml") == SMOKE.resolve()
+    assert load_recipe("tiny_smoke", ["fine_tune.lr=3e-4"]) == load_recipe(SMOKE, ["fine_tune.lr=3e-4"])
+    (tmp_path / "tiny_smoke.yaml").write_text("seed: 7\n")
+    assert load_recipe("tiny_smoke.yaml").seed == 7
+    for bad in ("nonexistent", "sub/tiny_smoke.yaml", "tiny_smoke.yml"):
+        with pytest.raises(ConfigError, match=r"neither a file nor a bundled recipe; bundled: .*tiny_smoke"):
+            recipe_path(bad)
+    with pytest.raises(ValueError, match="kind='models' is not supported"):
+        bundled_configs("models")
 
 
 @pytest.mark.parametrize("data, match", [
@@ -626,7 +643,14 @@ def test_hfab_finetune_command_errors(tmp_path, capsys):
     assert cli.main(["finetune", "--config", str(bad)]) == 2
     assert "train.save_every=-1 must be >= 0" in capsys.readouterr().err
     assert cli.main(["finetune", "--config", str(tmp_path / "missing.yaml")]) == 2
-    assert "is not a file" in capsys.readouterr().err
+    assert "is neither a file nor a bundled recipe" in capsys.readouterr().err
+    assert cli.main(["finetune"]) == 2
+    assert "needs --config" in capsys.readouterr().err
+    assert cli.main(["finetune", "--list"]) == 0
+    listed = capsys.readouterr().out
+    for kind in ("finetune", "accelerate"):
+        for name, path in bundled_configs(kind).items():
+            assert f"{name} " in listed and str(path) in listed and path.is_file()
 
 
 def two_process_config(tmp_path) -> Path:

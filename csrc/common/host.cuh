@@ -8,6 +8,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -98,6 +100,18 @@ decltype(auto) dispatch_head_dim(int64_t d, Fn&& fn) {
     case 64: return fn(std::integral_constant<int, 64>{});
     default: return fn(std::integral_constant<int, 128>{});
   }
+}
+
+// fn(Tag<T>{}, std::integral_constant<int, D>{}) for q's element type and head dim: __half for float16, float for
+// float32 where WITH_FLOAT, else __nv_bfloat16 (the callers' checks allow no other dtype).
+template <bool WITH_FLOAT = false, typename Fn>
+void dispatch_dtype_head_dim(const at::Tensor& q, Fn&& fn) {
+  auto by_dim = [&](auto tag) { dispatch_head_dim(q.size(3), [&](auto dim) { fn(tag, dim); }); };
+  if (q.scalar_type() == at::kHalf) return by_dim(Tag<__half>{});
+  if constexpr (WITH_FLOAT) {
+    if (q.scalar_type() == at::kFloat) return by_dim(Tag<float>{});
+  }
+  by_dim(Tag<__nv_bfloat16>{});
 }
 
 // The head dims the kernels are instantiated for (dispatch_head_dim).

@@ -48,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> exact_bwd_cuda(
   const unsigned hkv = static_cast<unsigned>(k.size(1));
   const bool any_query = dq.numel() > 0, any_key = dk.numel() > 0;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  dispatch(q, [&](auto tag, auto dim) {
+  dispatch_dtype_head_dim(q, [&](auto tag, auto dim) {
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(dim)::value;
     if (any_query) {

@@ -22,7 +22,7 @@ std::tuple<at::Tensor, at::Tensor> exact_fwd_cuda(const at::Tensor& q, const at:
   p.o = out.data_ptr();
   p.lse_out = lse.data_ptr<float>();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
-  dispatch(q, [&](auto tag, auto dim) {
+  dispatch_dtype_head_dim(q, [&](auto tag, auto dim) {
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(dim)::value;
     using Tiles = FwdTiles<D>;

@@ -57,13 +57,6 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   return in;
 }
 
-// fn(Tag<T>{}, std::integral_constant<int, D>{}) for the kernel element type and head dim of `q`.
-template <typename Fn>
-void dispatch(const at::Tensor& q, Fn&& fn) {
-  auto by_dim = [&](auto tag) { dispatch_head_dim(q.size(3), [&](auto dim) { fn(tag, dim); }); };
-  if (q.scalar_type() == at::kHalf) by_dim(Tag<__half>{});
-  else by_dim(Tag<__nv_bfloat16>{});
-}
 
 
 }  // namespace exact

@@ -311,7 +311,7 @@ Grads nystrom_bwd_cuda(const at::Tensor& dout, const at::Tensor& q, const at::Te
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   Grads grads;
-  dispatch(q, [&](auto tag, auto dim) {
+  dispatch_dtype_head_dim(q, [&](auto tag, auto dim) {
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(dim)::value;
     State st;

@@ -575,31 +575,6 @@ constexpr int ns_bwd_smem_bytes() {
   return ns_in_shared<TM>() ? kNsBuffers * 16 * TM * ns_ld<TM>() * static_cast<int>(sizeof(float)) : 0;
 }
 
-// inv_product with double accumulators, rounded once to float (operands converted once per k).
-template <int TM, typename LP, typename LQ>
-__device__ __forceinline__ void inv_product_f64(float (&out)[TM][TM], int kdim, LP lp, LQ lq, int ty, int tx) {
-  double acc[TM][TM];
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TM; ++j) acc[i][j] = 0.0;
-  for (int k = 0; k < kdim; ++k) {
-    double a[TM], b[TM];
-#pragma unroll
-    for (int i = 0; i < TM; ++i) a[i] = lp(ty + 16 * i, k);
-#pragma unroll
-    for (int j = 0; j < TM; ++j) b[j] = lq(k, tx + 16 * j);
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < TM; ++j) acc[i][j] = fma(a[i], b[j], acc[i][j]);
-  }
-#pragma unroll
-  for (int i = 0; i < TM; ++i)
-#pragma unroll
-    for (int j = 0; j < TM; ++j) out[i][j] = static_cast<float>(acc[i][j]);
-}
-
 // Block sum in a fixed order (butterfly in each warp, then the warps in turn): deterministic. `red`: kThreads / 32
 // floats; ends with a barrier, so `red` may be reused.
 __device__ __forceinline__ float block_sum(float v, float* red) {
@@ -722,7 +697,7 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_ns_bwd_kernel(const NsBwd
   for (int it = p.iters - 1; it >= 0; --it) {
     load_padded(zb, p.zs + (bh * (p.iters + 1) + it) * mm2);  // Z_i; the previous readers passed a barrier
     __syncthreads();
-    inv_product_f64(f64acc, m, at(a), at(zb), ty, tx);  // M = A Z_i
+    inv_product<false, double>(f64acc, m, at(a), at(zb), ty, tx);  // M = A Z_i
     store_f64(mz, copy);
     store_f64(t1, [&](int r, int c, float v) { return eye(r, c, 7.f) - v; });
     __syncthreads();
@@ -755,7 +730,7 @@ __global__ void __launch_bounds__(kThreads, 1) nystrom_ns_bwd_kernel(const NsBwd
     P::zero(x);
     P::add(x, m, at(dm), tr(zb));
     P::for_each(x, [&](int r, int c, float v) { da[r * MP + c] += v; });
-    inv_product_f64(f64acc, m, tr(a), at(dm), ty, tx);
+    inv_product<false, double>(f64acc, m, tr(a), at(dm), ty, tx);
     store_f64(gz, [&](int r, int c, float v) { return gz[r * LD + c] + v; });
     __syncthreads();
   }

@@ -20,7 +20,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> nystrom_fwd_cuda(
   if (out.numel() == 0) return {out, {}};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   std::vector<at::Tensor> state;
-  dispatch(q, [&](auto tag, auto dim) {
+  dispatch_dtype_head_dim(q, [&](auto tag, auto dim) {
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(dim)::value;
     State st = landmark_state<T, D>(in, stream);

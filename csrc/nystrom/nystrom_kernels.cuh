@@ -375,17 +375,17 @@ struct InvParams {
   float kappa;
 };
 
-// acc[i][j] = Σ_{k < kdim} lp(ty + 16 i, k) lq(k, tx + 16 j) (kAccumulate: acc[i][j] += the sum).
-template <bool kAccumulate = false, int TM, int TN, typename LP, typename LQ>
+// acc[i][j] = Σ_{k < kdim} lp(ty + 16 i, k) lq(k, tx + 16 j) (kAccumulate: acc[i][j] += the sum), the sums in
+// Sum (float, or double: operands converted once per k, the result rounded once to float).
+template <bool kAccumulate = false, typename Sum = float, int TM, int TN, typename LP, typename LQ>
 __device__ __forceinline__ void inv_product(float (&acc)[TM][TN], int kdim, LP lp, LQ lq, int ty, int tx) {
-  if constexpr (!kAccumulate) {
+  Sum sum[TM][TN];
 #pragma unroll
-    for (int i = 0; i < TM; ++i)
+  for (int i = 0; i < TM; ++i)
 #pragma unroll
-      for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
-  }
+    for (int j = 0; j < TN; ++j) sum[i][j] = kAccumulate ? acc[i][j] : Sum{0};
   for (int k = 0; k < kdim; ++k) {
-    float a[TM], b[TN];
+    Sum a[TM], b[TN];
 #pragma unroll
     for (int i = 0; i < TM; ++i) a[i] = lp(ty + 16 * i, k);
 #pragma unroll
@@ -393,8 +393,12 @@ __device__ __forceinline__ void inv_product(float (&acc)[TM][TN], int kdim, LP l
 #pragma unroll
     for (int i = 0; i < TM; ++i)
 #pragma unroll
-      for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+      for (int j = 0; j < TN; ++j) sum[i][j] = fma(a[i], b[j], sum[i][j]);
   }
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = static_cast<float>(sum[i][j]);
 }
 
 // The fp32 m x m products of Newton–Schulz (the inverse kernel's steps; the VJP's, all but its two with A): on tensor

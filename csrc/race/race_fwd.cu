@@ -25,7 +25,7 @@ at::Tensor race_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor kstate, kz;
   if (tensor_cores) make_vector_readable(in, p);
-  dispatch(q, [&](auto tag, auto dim) {
+  dispatch_dtype_head_dim<true>(q, [&](auto tag, auto dim) {
     using T = typename decltype(tag)::type;
     constexpr int D = decltype(dim)::value;
     if constexpr (!std::is_same_v<T, float>) {

@@ -463,6 +463,34 @@ __global__ void __launch_bounds__(kThreads, 1) race_out_fwd_kernel(const Params 
 
 // dq, den, c and the query side of dbeta for query tile blockIdx.x of (q head blockIdx.y, batch blockIdx.z).
 // d a_ij = G_i . v_j - c_i;  dphi(q_i) = A G_i - c_i z + sum_j (G_i . v_j - c_i) phi(k_j).
+// The end of pass 2 for this thread's rows ty * 4 + i and features tx + 16 f of S-tile st (dq and dk/dv kernels): g
+// holds (dO A^T or v B^T) there; dphi = g - c(r) lin_s + (ds phi_other)_rf (the intra term where ds is not null),
+// g = dphi phi (phi: this side's tile, overwritten with g), then the table gradients into w.
+template <typename C>
+__device__ __forceinline__ void table_grads_from_dphi(const Params& p, int st, float (&g)[4][4], C c, const float* lin,
+                                                      const float* ds, const float* phi_other, float* phi,
+                                                      const float* sp, const float* sm, float* w) {
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {
+      const int r = ty * 4 + i, fl = tx + 16 * f, s = st * kFeat + fl;
+      float dphi = g[i][f];
+      if (s < p.features) dphi -= c(r) * __ldg(lin + s);
+      if (ds != nullptr)
+        for (int j = 0; j < kRows; ++j) dphi = fmaf(ds[r * kPad + j], phi_other[j * kPad + fl], dphi);
+      g[i][f] = dphi * phi[r * kPad + fl];
+    }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int f = 0; f < 4; ++f) phi[(ty * 4 + i) * kPad + tx + 16 * f] = g[i][f];
+  __syncthreads();
+  table_grads(p, st, phi, sp, sm, w);
+}
+
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 1) race_dq_bwd_kernel(const Params p) {
   extern __shared__ float smem[];
@@ -626,24 +654,7 @@ __global__ void __launch_bounds__(kThreads, 1) race_dq_bwd_kernel(const Params p
             for (int d = 0; d < dn; ++d) g[i][f] = fmaf(stage[fl * kPad + d], G[r * (D + 1) + d0 + d], g[i][f]);
           }
       }
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int f = 0; f < 4; ++f) {
-          const int r = ty * 4 + i, fl = tx + 16 * f, s = st * kFeat + fl;
-          float dphi = g[i][f];
-          if (s < p.features) dphi -= crow[r] * __ldg(z + s);
-          if (intra)
-            for (int j = 0; j < kRows; ++j) dphi = fmaf(ds[r * kPad + j], phk[j * kPad + fl], dphi);
-          g[i][f] = dphi * phq[r * kPad + fl];
-        }
-      __syncthreads();
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int f = 0; f < 4; ++f) phq[(ty * 4 + i) * kPad + tx + 16 * f] = g[i][f];
-      __syncthreads();
-      table_grads(p, st, phq, spq, smq, wq);
+      table_grads_from_dphi(p, st, g, [&](int r) { return crow[r]; }, z, intra ? ds : nullptr, phk, phq, spq, smq, wq);
     }
   }
   __syncthreads();
@@ -786,24 +797,8 @@ __global__ void __launch_bounds__(kThreads, 1) race_dkv_bwd_kernel(const Params 
             for (int d = 0; d < dn; ++d) gk[i][f] = fmaf(as[fl * kPad + d], G[r * (D + 1) + d], gk[i][f]);
           }
       }
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int f = 0; f < 4; ++f) {
-          const int r = ty * 4 + i, fl = tx + 16 * f, s = st * kFeat + fl;
-          float dphi = gk[i][f];
-          if (okk[r] && s < p.features) dphi -= __ldg(y + s);
-          if (intra)
-            for (int cl = 0; cl < kRows; ++cl) dphi = fmaf(ds[r * kPad + cl], phq[cl * kPad + fl], dphi);
-          gk[i][f] = dphi * phk[r * kPad + fl];
-        }
-      __syncthreads();
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int f = 0; f < 4; ++f) phk[(ty * 4 + i) * kPad + tx + 16 * f] = gk[i][f];
-      __syncthreads();
-      table_grads(p, st, phk, spk, smk, wk);
+      table_grads_from_dphi(p, st, gk, [&](int r) { return okk[r] ? 1.f : 0.f; }, y, intra ? ds : nullptr, phq, phk, spk,
+                            smk, wk);
     }
     __syncthreads();
 #pragma unroll

@@ -82,9 +82,7 @@ void dispatch(const at::Tensor& q, double order, Fn&& fn) {
     if (order == 2.0) return fn(tag, dim, std::integral_constant<int, 2>{});
     return fn(tag, dim, std::integral_constant<int, 0>{});
   };
-  auto by_dim = [&](auto tag) { dispatch_head_dim(q.size(3), [&](auto dim) { by_order(tag, dim); }); };
-  if (q.scalar_type() == at::kHalf) by_dim(Tag<__half>{});
-  else by_dim(Tag<__nv_bfloat16>{});
+  dispatch_dtype_head_dim(q, by_order);
 }
 
 
