@@ -68,6 +68,12 @@ def test_other_orders(emulator, order):
     check_against_oracle(q, k, v, order=order, causal=True, run=emulated(emulator))
 
 
+def test_flat_fp16_rows_keep_their_precision(emulator):
+    # order 1 over 200 keys: P ~ 1/n and R ~ 1/(n lam) sit below fp16's normal range unless scaled by lam's powers
+    q, k, v = cpu_inputs(1, 1, 1, 200, 200, 64, seed=10)
+    check_against_oracle(q, k, v, order=1.0, newton_iter=100, run=emulated(emulator))
+
+
 def test_bfloat16_key_padding_and_bottom_right_causal(emulator):
     q, k, v = cpu_inputs(2, 2, 1, 20, 90, 64, dtype=torch.bfloat16)
     check_against_oracle(q, k, v, causal=True, mask=make_padding(2, 90, seed=4), run=emulated(emulator))
