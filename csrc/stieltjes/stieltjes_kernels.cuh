@@ -481,14 +481,16 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
         if constexpr (kR) ro[t][e] = 0.f;
       }
     shift_by_max();
-    // y / lam = (lam + m) / lam - s scale / lam gives P lam^order and R lam^(order+1): 1 at the row's max, where
-    // P ~ 1/n and R ~ 1/(n lam) of a long row fall below fp16's normal range; out and u do not change
-    float ns[2];
+    // R lam^(order+1) (at most 1, 1 at the row's max; u does not change): R ~ 1/(n lam) of a long flat row falls
+    // below fp16's normal range, where its 16-bit parts keep a few bits
+    float r_unit[2] = {1.f, 1.f};
+    if constexpr (kR) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float inv_lam = 1.f / lam[r];
-      ns[r] = neg_scale * inv_lam;
-      lam_m[r] *= inv_lam;
+      for (int r = 0; r < 2; ++r) {
+        float lam_p, lam_r;
+        powers<IORD>(lam[r], order, lam_p, lam_r);
+        r_unit[r] = 1.f / lam_r;
+      }
     }
     sweep(true, [&](auto& s, int buf, int koff, bool) {
       constexpr int NW = std::extent_v<std::remove_reference_t<decltype(s)>>;
@@ -498,10 +500,13 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float pp;
-          powers<IORD>(fmaf(s[j][e], ns[e / 2], lam_m[e / 2]), order, pp, rs[j][e]);
+          powers<IORD>(fmaf(s[j][e], neg_scale, lam_m[e / 2]), order, pp, rs[j][e]);
           s[j][e] = pp;
           if constexpr (kP) l[e / 2] += pp;
-          if constexpr (kR) lr[e / 2] += rs[j][e];
+          if constexpr (kR) {
+            rs[j][e] *= r_unit[e / 2];
+            lr[e / 2] += rs[j][e];
+          }
         }
       if constexpr (kP) mma_xb<NW, BK, D, T>(po, s, sm.u.v[buf], lane, koff);
       if constexpr (kR) mma_xb<NW, BK, D, T>(ro, rs, sm.u.v[buf], lane, koff);
@@ -547,11 +552,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
     const long long row = (long long)(b * p.hq + h) * p.nq + i;
     p.rowmax[row] = m[r];
     p.lam[row] = lam[r];
-    if constexpr (STATE) {
-      float lam_p, lam_r;  // lam^-order: l sums P lam^order
-      powers<IORD>(lam[r], order, lam_p, lam_r);
-      p.lsum[row] = l[r] * lam_p;
-    }
+    if constexpr (STATE) p.lsum[row] = l[r];
   }
   if constexpr (STATE && D > 64) {
     output_sweep(std::false_type{}, std::true_type{}, o, o);
