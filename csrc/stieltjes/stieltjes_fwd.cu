@@ -8,9 +8,9 @@ namespace hfab {
 namespace stieltjes {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> stieltjes_fwd_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> stieltjes_fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& key_padding_mask,
-    bool causal, double scale, double order, int64_t newton_iter) {
+    bool causal, double scale, double order, int64_t newton_iter, bool backward_state) {
   constexpr const char* kOp = "hfab::stieltjes_fwd";
   const AutocastOff autocast_off;
   TORCH_CHECK(newton_iter >= -100 && newton_iter <= 100, kOp, ": newton_iter=", newton_iter,
@@ -20,21 +20,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> stieltjes_fwd_cuda(
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor rowmax = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   at::Tensor lam = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-  if (out.numel() == 0) return {out, rowmax, lam};
+  const auto state_options = q.options().dtype(at::kFloat);
+  at::Tensor u = backward_state ? at::empty(q.sizes(), state_options) : at::empty({0}, state_options);
+  at::Tensor lsum = backward_state ? at::empty({q.size(0), q.size(1), q.size(2)}, state_options)
+                                   : at::empty({0}, state_options);
+  if (out.numel() == 0) return {out, rowmax, lam, u, lsum};
   Params p = in.p;
   p.o = out.data_ptr();
   p.rowmax = rowmax.data_ptr<float>();
   p.lam = lam.data_ptr<float>();
   p.newton_iter = static_cast<int>(newton_iter);
+  if (backward_state) {
+    p.u = u.data_ptr<float>();
+    p.lsum = lsum.data_ptr<float>();
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   dispatch(q, order, [&](auto tag, auto dim, auto iord) {
     using T = typename decltype(tag)::type;
-    constexpr int D = decltype(dim)::value;
+    constexpr int D = decltype(dim)::value, IORD = decltype(iord)::value;
     using Cfg = FwdCfg<D>;
     const dim3 grid(blocks(p.nq, Cfg::BQ), p.hq, static_cast<unsigned>(q.size(0)));
-    launch(stieltjes_fwd_kernel<T, D, decltype(iord)::value>, grid, sizeof(typename Cfg::Smem), stream, p);
+    const size_t smem = sizeof(typename Cfg::Smem);
+    if (backward_state) launch(stieltjes_fwd_kernel<T, D, IORD, true>, grid, smem, stream, p);
+    else launch(stieltjes_fwd_kernel<T, D, IORD, false>, grid, smem, stream, p);
   });
-  return {out, rowmax, lam};
+  return {out, rowmax, lam, u, lsum};
 }
 
 }  // namespace

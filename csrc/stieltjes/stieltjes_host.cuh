@@ -60,13 +60,16 @@ inline Inputs prepare(const char* op, const at::Tensor& q, const at::Tensor& k, 
   return in;
 }
 
-// Check a (B, Hq, Nq) fp32 per-row state tensor from hfab::stieltjes_fwd; returns it contiguous.
-inline at::Tensor row_state(const char* op, const char* name, const at::Tensor& t, const at::Tensor& q) {
-  check_on_device(op, name, t, q.device());
+// Check an fp32 state tensor saved by hfab::stieltjes_fwd (rowmax, lam, lsum: (B, Hq, Nq); u: q's shape) against
+// its expected shape; returns it contiguous.
+inline at::Tensor saved_state(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef expected,
+                              const c10::Device& device) {
+  check_on_device(op, name, t, device);
   TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, ".dtype=", t.scalar_type(),
               "; supported: torch.float32 (as returned by hfab::stieltjes_fwd)");
-  TORCH_CHECK(t.dim() == 3 && t.size(0) == q.size(0) && t.size(1) == q.size(1) && t.size(2) == q.size(2), op, ": ",
-              name, ".shape=", t.sizes(), "; expected (B, Hq, Nq)=(", q.size(0), ", ", q.size(1), ", ", q.size(2), ")");
+  TORCH_CHECK(t.sizes() == expected, op, ": ", name, ".shape=", t.sizes(), "; expected ", expected,
+              t.numel() == 0 ? " (empty: hfab::stieltjes_fwd returns the backward's state with backward_state=True)"
+                             : "");
   return t.contiguous();
 }
 

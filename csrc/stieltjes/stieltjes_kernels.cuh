@@ -7,17 +7,20 @@
 // < 0: -newton_iter steps, then up to kMaxExtraSteps more for the rows whose last step may have left them short of
 // the root (needs_another_step), a block sweeping the keys again only when one of its rows needs it),
 // P = (lambda - x)^(-order), out = P v / sum P. Backward at the saved lambda (implicit function theorem):
-// r = (lambda - x)^(-order-1), delta = sum dP r / sum r, dS = order r (dP - delta), dq = scale dS k,
-// dk = scale dS^T q, dv = (P / sum P)^T dO. Rows with no allowed key: out 0, rowmax 0, lambda 1, no gradient.
+// r = (lambda - x)^(-order-1), delta = sum dP r / sum r = dO . u with u = sum r v / sum r (saved by the training
+// forward), dS = order r (dP - delta), dq = scale dS k, dk = scale dS^T q, dv = (P / sum P)^T dO. Rows with no allowed
+// key: out 0, rowmax 0, lambda 1, u 0, sum P 0, no gradient.
 //
 // Kernels (128 threads = 4 warps, each warp owns 16 rows of the block; tiles in dynamic shared memory):
 //   stieltjes_fwd_kernel  (query block of 64, q head, batch): Q fragments stay in registers; sweeps over
 //                         the key tiles of 64 (computed in sub-tiles of 32 keys): stats (max, count, sum),
 //                         newton_iter solver sweeps, output sweep; only sub-tiles with a disallowed pair
 //                         (diagonal, padding, ragged ends) do per-element mask work (their raw scores set
-//                         to -inf; needs scale > 0)
-//   stieltjes_dq_kernel   (query block of 64, q head, batch), key tiles of 32: sweep 1 delta and sum P
-//                         (to scratch), sweep 2 dq = scale dS K
+//                         to -inf; needs scale > 0). The training variant (STATE) also keeps, per row, sum P
+//                         and u = sum r v / sum r (the output sweep's second product), so that
+//                         delta = sum dP r / sum r = dO . u needs no sweep in the backward
+//   stieltjes_dq_kernel   (query block of 64, q head, batch), key tiles of 128 (64 at D 128): delta = dO . u
+//                         (to scratch), one sweep for dq = scale dS K
 //   stieltjes_dkv_kernel  (key block of 64, kv head, batch): loops over the group's q heads and the query
 //                         tiles (32, or 16 at D 128): dv = (P / sum P)^T dO, dk = scale dS^T Q; no atomics
 // Products whose left operand is computed in fp32 (P, dS) are split into a 16-bit high part and a 16-bit
@@ -45,8 +48,9 @@ struct Params {
   long long kpm_sb, kpm_sn;
   float* rowmax;  // (B, Hq, Nq) contiguous: forward writes, backward reads
   float* lam;
-  float* delta;   // (B, Hq, Nq) contiguous backward scratch: delta and sum_j P_ij
-  float* lsum;
+  float* delta;   // (B, Hq, Nq) contiguous backward scratch: delta = dO . u
+  float* lsum;    // (B, Hq, Nq) contiguous sum_j P_ij: the training forward writes, backward reads
+  float* u;       // (B, Hq, Nq, D) contiguous fp32 sum_j r_ij v_j / sum_j r_ij: the training forward writes
   void* o;        // forward: out; backward: dq   (B, Hq, Nq, D) contiguous
   void* dk;       // (B, Hkv, Nk, D) contiguous
   void* dv;
@@ -293,8 +297,9 @@ __device__ __forceinline__ void load_bias(float* kbias, const Params& p, int b, 
 template <int D> struct FwdCfg {
   static constexpr int BQ = 64, BK = 64, KS = 32;  // key tiles of BK, computed in sub-tiles of KS keys
   // blocks per SM the registers must allow: caps registers at 128 (D <= 64: 4 blocks), 255 (D 128: 2 blocks by
-  // its ~190 registers); lower caps (96, 80) spill
-  static constexpr int kMinBlocks = D <= 64 ? 4 : 2;
+  // its ~190 registers); lower caps (96, 80) spill. The training variant's u accumulators (D / 2 registers) need
+  // 168 at D <= 64 (3 blocks); at D 128 it sweeps once more instead
+  static constexpr int min_blocks(bool state) { return D <= 64 ? (state ? 3 : 4) : 2; }
   struct Smem {  // key tiles double-buffered (cp.async prefetch of the next tile)
     HTile<BK, D> k[2];
     union {
@@ -305,10 +310,11 @@ template <int D> struct FwdCfg {
   };
 };
 
-template <typename T, int D, int IORD>
-__global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd_kernel(const Params p) {
+template <typename T, int D, int IORD, bool STATE>
+__global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stieltjes_fwd_kernel(const Params p) {
   using Cfg = FwdCfg<D>;
   constexpr int BQ = Cfg::BQ, BK = Cfg::BK, KS = Cfg::KS, NT = KS / 8;
+  using Sub = std::integral_constant<int, KS>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   auto& sm = *reinterpret_cast<typename Cfg::Smem*>(smem_raw);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = 2 * (lane % 4);
@@ -337,7 +343,9 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
   // -inf where not allowed; all: every pair of the warp's sub-tile is allowed. The body is inlined on each path (the
   // interior one without a join that would copy the masked path's scores into the same registers). Sub-tiles past
   // the warp's last visible key (causal) are skipped: all their pairs are masked.
-  auto sweep = [&](bool with_v, auto&& body) {
+  // sub: std::integral_constant<int, sub-tile width> (KS, or 16 where the body keeps more registers live)
+  auto sweep = [&](bool with_v, auto&& body, auto sub) {
+    constexpr int W = decltype(sub)::value, NW = W / 8;
     if (tiles == 0) return;
     __syncthreads();  // readers of the previous sweep's buffers (and of q, aliased with v) are done
     issue(with_v, 0);
@@ -347,12 +355,12 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
       __syncthreads();  // tile `tile` has landed for every thread; tile - 1's readers are done
       if (tile + 1 < tiles) issue(with_v, tile + 1);  // overwrites the buffer tile - 1 used
 #pragma unroll
-      for (int koff = 0; koff < BK; koff += KS) {
+      for (int koff = 0; koff < BK; koff += W) {
         const int k0 = tile * BK + koff;
         if (k0 >= warp_keys) break;  // warp-uniform
-        float s[NT][4];
-        mma_abt<NT, BK, D, T>(s, qf, sm.k[buf], lane, koff);
-        if (k0 + KS <= warp_interior) {  // warp-uniform: interior sub-tiles skip the mask
+        float s[NW][4];
+        mma_abt<NW, BK, D, T>(s, qf, sm.k[buf], lane, koff);
+        if (k0 + W <= warp_interior) {  // warp-uniform: interior sub-tiles skip the mask
           body(s, buf, koff, true);
         } else {
           mask_raw(s, p, tile_needs_bias<BK>(p, tile * BK) ? sm.kbias[buf] + koff : nullptr, r0, k0, lane);
@@ -387,7 +395,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
           cnt[e / 2] += 1.f;
           sum[e / 2] += s[j][e];
         }
-  });
+  }, Sub{});
   float lam[2], neg_m[2], upper[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -427,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
           s1[e / 2] = fmaf(pp, inv, s1[e / 2]);  // y^(-order-1) = p / y, fused (rr unused)
           if constexpr (kHalley) s2[e / 2] = fmaf(pp, inv * inv, s2[e / 2]);
         }
-    });
+    }, Sub{});
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       f[r] = mma::quad_sum(f[r]);
@@ -459,40 +467,111 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::kMinBlocks) stieltjes_fwd
   else if (order >= kHalleyMinOrder) steps(std::true_type{});
   else steps(std::false_type{});
 
-  float o[D / 8][4], l[2] = {0.f, 0.f};
+  // The output sweep: o = P V, l = sum P and, for STATE, ru = R V, lr = sum R (R = y^(-order-1)): one sweep for
+  // both at D <= 64; D 128 has no registers for both accumulators at once (255 and spills), so its training forward
+  // sweeps again for ru, in o's registers (its backward saves the same sweep).
+  float o[D / 8][4], l[2] = {0.f, 0.f}, lr[2] = {0.f, 0.f};
+  auto output_sweep = [&](auto want_p, auto want_r, float (&po)[D / 8][4], float (&ro)[D / 8][4]) {
+    constexpr bool kP = decltype(want_p)::value, kR = decltype(want_r)::value;
 #pragma unroll
-  for (int t = 0; t < D / 8; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.f;
-  shift_by_max();
-  sweep(true, [&](float (&s)[NT][4], int buf, int koff, bool) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
+    for (int t = 0; t < D / 8; ++t)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float pp, rr;
-        powers<IORD>(fmaf(s[j][e], neg_scale, lam_m[e / 2]), order, pp, rr);
-        s[j][e] = pp;
-        l[e / 2] += pp;
+        if constexpr (kP) po[t][e] = 0.f;
+        if constexpr (kR) ro[t][e] = 0.f;
       }
-    mma_xb<NT, BK, D, T>(o, s, sm.u.v[buf], lane, koff);
+    shift_by_max();
+    // R lam^(order+1) (at most 1, 1 at the row's max; u does not change): R ~ 1/(n lam) of a long flat row falls
+    // below fp16's normal range, where its 16-bit parts keep a few bits
+    float r_unit[2] = {1.f, 1.f};
+    if constexpr (kR) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float lam_p, lam_r;
+        powers<IORD>(lam[r], order, lam_p, lam_r);
+        r_unit[r] = 1.f / lam_r;
+      }
+    }
+    sweep(true, [&](auto& s, int buf, int koff, bool) {
+      constexpr int NW = std::extent_v<std::remove_reference_t<decltype(s)>>;
+      float rs[NW][4];
+#pragma unroll
+      for (int j = 0; j < NW; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float pp;
+          powers<IORD>(fmaf(s[j][e], neg_scale, lam_m[e / 2]), order, pp, rs[j][e]);
+          s[j][e] = pp;
+          if constexpr (kP) l[e / 2] += pp;
+          if constexpr (kR) {
+            rs[j][e] *= r_unit[e / 2];
+            lr[e / 2] += rs[j][e];
+          }
+        }
+      if constexpr (kP) mma_xb<NW, BK, D, T>(po, s, sm.u.v[buf], lane, koff);
+      if constexpr (kR) mma_xb<NW, BK, D, T>(ro, rs, sm.u.v[buf], lane, koff);
+    }, std::integral_constant<int, kP && kR ? 16 : KS>{});  // both products: sub-tiles of 16 keys, fewer registers
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if constexpr (kP) l[r] = mma::quad_sum(l[r]);
+      if constexpr (kR) lr[r] = mma::quad_sum(lr[r]);
+    }
+  };
+  // each row's values, columns 8 dt + c, c + 1 of acc divided by the row's sum, stored by store(row, dt, x0, x1)
+  auto store_rows = [&](const float (&acc)[D / 8][4], const float (&sum)[2], auto&& store) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = r0 + g + 8 * r;
+      if (i >= p.nq) continue;
+      const long long row = (long long)(b * p.hq + h) * p.nq + i;
+      const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) store(row, dt, acc[dt][2 * r] * inv, acc[dt][2 * r + 1] * inv);
+    }
+  };
+  auto store_u = [&](const float (&ru)[D / 8][4]) {
+    store_rows(ru, lr, [&](long long row, int dt, float x0, float x1) {
+      *reinterpret_cast<float2*>(p.u + row * D + 8 * dt + c) = make_float2(x0, x1);
+    });
+  };
+  if constexpr (STATE && D <= 64) {
+    float ru[D / 8][4];
+    output_sweep(std::true_type{}, std::true_type{}, o, ru);
+    store_u(ru);
+  } else {
+    output_sweep(std::true_type{}, std::false_type{}, o, o);
+  }
+  store_rows(o, l, [&](long long row, int dt, float x0, float x1) {
+    *reinterpret_cast<unsigned*>(static_cast<T*>(p.o) + row * D + 8 * dt + c) =
+        Pair<T>::from_float2(make_float2(x0, x1));
   });
-
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    l[r] = mma::quad_sum(l[r]);
     const int i = r0 + g + 8 * r;
-    if (i >= p.nq) continue;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    T* out = static_cast<T*>(p.o) + ((long long)(b * p.hq + h) * p.nq + i) * D;
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
-      *reinterpret_cast<unsigned*>(out + 8 * dt + c) =
-          Pair<T>::from_float2(make_float2(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv));
-    if (lane % 4 == 0) {
-      const long long row = (long long)(b * p.hq + h) * p.nq + i;
-      p.rowmax[row] = m[r];
-      p.lam[row] = lam[r];
-    }
+    if (i >= p.nq || lane % 4 != 0) continue;
+    const long long row = (long long)(b * p.hq + h) * p.nq + i;
+    p.rowmax[row] = m[r];
+    p.lam[row] = lam[r];
+    if constexpr (STATE) p.lsum[row] = l[r];
   }
+  if constexpr (STATE && D > 64) {
+    output_sweep(std::false_type{}, std::true_type{}, o, o);
+    store_u(o);
+  }
+}
+
+// This lane's part of dO_i . u_i (delta = sum_j dP_ij r_ij / sum_j r_ij, with dP = dO v^T): columns 8 t + c, c + 1;
+// the quad's four lanes together cover the row (mma::quad_sum).
+template <typename T, int D>
+__device__ __forceinline__ float row_delta(const uint16_t (&dout_row)[D + 8], const float* u_row, int c) {
+  float acc = 0.f;
+#pragma unroll
+  for (int t = 0; t < D / 8; ++t) {
+    const float2 d = Pair<T>::to_float2(mma::ld32(&dout_row[8 * t + c]));
+    const float2 u = *reinterpret_cast<const float2*>(u_row + 8 * t + c);
+    acc = fmaf(d.x, u.x, fmaf(d.y, u.y, acc));
+  }
+  return acc;
 }
 
 template <int D> struct DqCfg {
@@ -536,12 +615,15 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
   uint32_t qf[D / 16][4], df[D / 16][4];
   a_frags(qf, sm.u.qd.q, 16 * warp, lane);
   a_frags(df, sm.u.qd.dout, 16 * warp, lane);
-  float lam_m[2];  // lam + m: y = (lam + m) - s scale, the forward's y to the bit
+  float lam_m[2], delta[2];  // lam + m: y = (lam + m) - s scale, the forward's y to the bit
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = r0 + g + 8 * r;
     const float m = i < p.nq ? p.rowmax[row_base + i] : 0.f, lam = i < p.nq ? p.lam[row_base + i] : 1.f;
     lam_m[r] = lam - (-m);
+    delta[r] = i < p.nq ? row_delta<T, D>(sm.u.qd.dout.h[16 * warp + g + 8 * r], p.u + (row_base + i) * D, c) : 0.f;
+    delta[r] = mma::quad_sum(delta[r]);
+    if (i < p.nq && lane % 4 == 0) p.delta[row_base + i] = delta[r];
   }
   const float neg_scale = -p.scale;
 
@@ -578,33 +660,6 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
       }
     }
   };
-
-  float sr[2] = {0.f, 0.f}, sdr[2] = {0.f, 0.f}, sp[2] = {0.f, 0.f};
-  sweep([&](float (&s)[NT][4], float (&dp)[NT][4], int, int) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float pp, rr;
-        powers<IORD>(fmaf(s[j][e], neg_scale, lam_m[e / 2]), order, pp, rr);
-        sr[e / 2] += rr;
-        sdr[e / 2] = fmaf(dp[j][e], rr, sdr[e / 2]);
-        sp[e / 2] += pp;
-      }
-  });
-  float delta[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    sr[r] = mma::quad_sum(sr[r]);
-    sdr[r] = mma::quad_sum(sdr[r]);
-    sp[r] = mma::quad_sum(sp[r]);
-    delta[r] = sr[r] > 0.f ? sdr[r] / sr[r] : 0.f;
-    const int i = r0 + g + 8 * r;
-    if (i < p.nq && lane % 4 == 0) {
-      p.delta[row_base + i] = delta[r];
-      p.lsum[row_base + i] = sp[r];
-    }
-  }
 
   float dq[D / 8][4];
 #pragma unroll

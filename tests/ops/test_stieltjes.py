@@ -363,12 +363,50 @@ def test_opcheck(dtype):
     q, k, v = make_qkv(2, 4, 2, 9, 11, 8, dtype=dtype, requires_grad=True, seed=11)
     mask = make_padding(2, 11)
     torch.library.opcheck(torch.ops.hfab.stieltjes_fwd.default, (q, k, v, mask, True, 0.5, 4.0, 3))
-    torch.library.opcheck(torch.ops.hfab.stieltjes_fwd.default, (q, k, v, None, False, 0.5, 1.5, 7))
+    torch.library.opcheck(torch.ops.hfab.stieltjes_fwd.default, (q, k, v, None, False, 0.5, 1.5, 7, True))
     q, k, v = q.detach(), k.detach(), v.detach()
-    out, rowmax, lam = torch.ops.hfab.stieltjes_fwd(q, k, v, mask, True, 0.5, 4.0, 3)
-    assert rowmax.dtype == lam.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    out, rowmax, lam, u, lsum = torch.ops.hfab.stieltjes_fwd(q, k, v, mask, True, 0.5, 4.0, 3, True)
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert rowmax.dtype == lam.dtype == u.dtype == lsum.dtype == state_dtype
+    assert u.shape == q.shape and lsum.shape == lam.shape
     torch.library.opcheck(torch.ops.hfab.stieltjes_bwd.default,
-                          (torch.randn_like(out), q, k, v, out, rowmax, lam, mask, True, 0.5, 4.0))
+                          (torch.randn_like(out), q, k, v, rowmax, lam, u, lsum, mask, True, 0.5, 4.0))
+
+
+def test_forward_state_only_when_asked():
+    """backward_state=False (the default, inference) returns empty u and lsum and the same out, rowmax, lam."""
+    q, k, v = make_qkv(1, 2, 1, 5, 7, 8, seed=12)
+    plain = torch.ops.hfab.stieltjes_fwd(q, k, v, None, True, 0.5, 4.0, 3)
+    with_state = torch.ops.hfab.stieltjes_fwd(q, k, v, None, True, 0.5, 4.0, 3, True)
+    assert plain[3].numel() == plain[4].numel() == 0
+    for a, b in zip(plain[:3], with_state[:3]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_state_matches_float64(causal):
+    """u = sum r v / sum r (r = (lambda - x)^(-order-1)) and sum P against a float64 computation of their own at the
+    root, with key padding (a row with no key: u 0, sum P 0); dO . u is the delta of the reference's backward."""
+    q, k, v = make_qkv(2, 4, 2, 6, 9, 8, dtype=torch.float64, seed=13)
+    mask = make_padding(2, 9, min_real=3)
+    mask[1] = False
+    mask[1, 8] = True  # causal: batch 1's first rows see no key
+    _, rowmax, lam, u, lsum = reference.stieltjes_forward(q, k, v, mask, causal, 0.5, 4.0, CONVERGED,
+                                                          backward_state=True)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    s = torch.einsum("bhid,bhjd->bhij", q, kk) * 0.5
+    ok = mask[:, None, None, :] & ((torch.arange(9)[None, :] <= torch.arange(6)[:, None] + 3) if causal else True)
+    ok = ok.expand_as(s)
+    has = ok.any(-1)
+    y = torch.where(ok, lam[..., None] - (s - rowmax[..., None]), math.inf)
+    r = y ** -5.0
+    want_u = torch.where(has[..., None], (r @ vv) / r.sum(-1, keepdim=True).clamp_min(1e-300), 0.0)
+    assert_close_to_oracle(u, want_u, atol=1e-12, rtol=1e-10, name="u")
+    assert_close_to_oracle(lsum, has.double(), atol=1e-12, rtol=0, name="sum P (1 at the root)")
+    dout = torch.randn_like(q)
+    dp = dout @ vv.transpose(-1, -2)
+    delta = torch.where(has, (dp * r).sum(-1) / r.sum(-1).clamp_min(1e-300), 0.0)
+    assert_close_to_oracle((dout * u).sum(-1), delta, atol=1e-12, rtol=1e-10, name="dO . u")
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.cuda
 NS = [1, 7, 63, 64, 65, 333, 2049]
 CONVERGED = 40  # Newton steps that put lambda at the root to fp32 rounding for every shape here
 GRAD_FLOOR = 1e-5  # fp32 residue of dP - delta where the exact gradient is 0 (e.g. one visible key)
+SUM_FLOOR = 1e-5  # fp32 sum of P over the keys, each P through the kernels' approximate reciprocal (rcp.approx)
 
 
 def allowed_keys(nq, nk, b, causal, mask, device=DEV):
@@ -39,8 +40,9 @@ def allowed_keys(nq, nk, b, causal, mask, device=DEV):
 
 
 def oracle(q, k, v, *, order, causal, scale, mask):
-    """float64 Stieltjes attention at the exact root; returns (out, lambda, has_key): lambda = root - rowmax
-    (B, Hq, Nq), has_key marks rows with an allowed key. Differentiable in q, k, v.
+    """float64 Stieltjes attention at the exact root; returns (out, lambda, has_key, u): lambda = root - rowmax
+    (B, Hq, Nq), has_key marks rows with an allowed key, u = sum_j r_j v_j / sum_j r_j with r = (root - s)^(-order-1)
+    (0 on rows without a key; detached). Differentiable in q, k, v.
 
     Per row: bisection for mu > max_j s_j with sum_j (mu - s_j)^(-order) = 1 over allowed keys, then one
     Newton step mu0 - (f(mu0) - 1) / f'(mu0) with f differentiable (value mu0, derivative d mu / d s of
@@ -69,25 +71,31 @@ def oracle(q, k, v, *, order, causal, scale, mask):
     w = torch.where(ok, torch.where(ok, mu[..., None] - s, torch.ones_like(s)) ** -order, 0.0)
     z = w.sum(-1, keepdim=True)
     out = torch.where(has[..., None], (w @ v) / torch.where(has[..., None], z, torch.ones_like(z)), 0.0)
-    return out, (mu0 - smax).detach(), has
+    with torch.no_grad():
+        r = torch.where(ok, y ** (-order - 1), 0.0)
+        rsum = r.sum(-1, keepdim=True)
+        u = torch.where(has[..., None], (r @ v) / torch.where(has[..., None], rsum, torch.ones_like(rsum)), 0.0)
+    return out, (mu0 - smax).detach(), has, u
 
 
 def run_kernel(q, k, v, dout, *, order=4.0, causal=False, scale=None, mask=None, newton_iter=CONVERGED):
-    """(out, rowmax, lam) from hfab::stieltjes_fwd and (dq, dk, dv) from hfab::stieltjes_bwd, into poisoned memory."""
+    """(out, rowmax, lam, u, lsum) from hfab::stieltjes_fwd (the training forward when dout is given, else u and lsum
+    are empty) and (dq, dk, dv) from hfab::stieltjes_bwd, into poisoned memory."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     poison(q, q)
-    fwd = torch.ops.hfab.stieltjes_fwd(q, k, v, mask, causal, scale, order, newton_iter)
+    fwd = torch.ops.hfab.stieltjes_fwd(q, k, v, mask, causal, scale, order, newton_iter, dout is not None)
     if dout is None:
         return fwd, None
     poison(q, k, v)
-    return fwd, torch.ops.hfab.stieltjes_bwd(dout, q, k, v, fwd[0], fwd[1], fwd[2], mask, causal, scale, order)
+    _, rowmax, lam, u, lsum = fwd
+    return fwd, torch.ops.hfab.stieltjes_bwd(dout, q, k, v, rowmax, lam, u, lsum, mask, causal, scale, order)
 
 
 def reference_run(q, k, v, dout, *, order, causal, scale, mask, newton_iter):
     """The reference op math on the kernel's inputs (fp32 compute, results in the input dtype)."""
-    out, rowmax, lam = reference.stieltjes_forward(q, k, v, mask, causal, scale, order, newton_iter)
-    grads = reference.stieltjes_backward(dout, q, k, v, rowmax, lam, mask, causal, scale, order)
-    return (out, rowmax, lam), grads
+    fwd = reference.stieltjes_forward(q, k, v, mask, causal, scale, order, newton_iter, backward_state=True)
+    grads = reference.stieltjes_backward(dout, q, k, v, fwd[1], fwd[2], mask, causal, scale, order)
+    return fwd, grads
 
 
 def check_against_oracle(q, k, v, *, order=4.0, causal=False, mask=None, newton_iter=CONVERGED, seed=1,
@@ -100,15 +108,22 @@ def check_against_oracle(q, k, v, *, order=4.0, causal=False, mask=None, newton_
     dout = torch.randn(q.shape, device=q.device, generator=g).to(q.dtype)
     assert_not_drawn_like(dout, q)
     kw = dict(order=order, causal=causal, scale=scale, mask=mask)
-    (out, rowmax, lam), grads = run(q, k, v, dout, newton_iter=newton_iter, **kw)
+    (out, rowmax, lam, u, lsum), grads = run(q, k, v, dout, newton_iter=newton_iter, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert rowmax.dtype == lam.dtype == torch.float32 and rowmax.shape == lam.shape == q.shape[:3]
     assert torch.isfinite(rowmax).all() and torch.isfinite(lam).all() and (lam >= 1).all()
 
     leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
-    out64, lam64, has = oracle(*leaves, **kw)
-    (out_ref, _, lam_ref), grads_ref = reference_run(q, k, v, dout, newton_iter=newton_iter, **kw)
+    out64, lam64, has, u64 = oracle(*leaves, **kw)
+    (out_ref, _, lam_ref, u_ref, lsum_ref), grads_ref = reference_run(q, k, v, dout, newton_iter=newton_iter, **kw)
     assert_close_to_oracle(out, out64.detach(), baseline=out_ref, name="out")
+    # the backward's delta is dO . u; r enters the kernels' R V product as two 16-bit parts: ~2^-16 relative
+    assert_close_to_oracle(u, u64, baseline=u_ref, floor=2.0**-16 * float(v.abs().max()), name="u")
+    # y = (lam + m) - s scale: lam + m rounds once per row, by up to 2^-24 (lam + |m|), moving every P of the row by
+    # order times that (y >= lam >= 1)
+    y_shift = 2.0**-24 * float((lam + rowmax.abs())[has].max()) if has.any() else 0.0
+    assert_close_to_oracle(lsum, has.double(), baseline=lsum_ref, floor=SUM_FLOOR + order * y_shift,
+                           name="sum P (1 at the root)")
     if has.any():  # lambda of a row with no key carries no meaning; rowmax rounding moves lambda by as much
         floor = 1e-5 * float(lam64[has].abs().max() + rowmax[has].abs().max())
         assert_close_to_oracle(lam[has], lam64[has], baseline=lam_ref[has], floor=floor, name="lambda")
@@ -157,7 +172,7 @@ def test_more_queries_than_keys_gives_empty_rows(nq, nk):
     q, k, v = make_inputs(1, 2, 1, nq, nk, 64)
     check_against_oracle(q, k, v, causal=True)
     empty = nq - nk  # causal, bottom-right aligned: queries [0, nq - nk) see no key
-    (out, _, _), (dq, _, _) = run_kernel(q, k, v, torch.ones_like(q), causal=True)
+    (out, *_), (dq, _, _) = run_kernel(q, k, v, torch.ones_like(q), causal=True)
     assert torch.equal(out[:, :, :empty], torch.zeros_like(out[:, :, :empty]))
     assert torch.equal(dq[:, :, :empty], torch.zeros_like(dq[:, :, :empty]))
     assert bool((out[:, :, empty:] != 0).any(dim=-1).all()), "rows that see a key must not be 0"
@@ -205,7 +220,7 @@ def test_same_newton_steps_as_the_reference(order, newton_iter, scale):
     q, k, v = make_inputs(2, 4, 2, 333, 1000, 64, scale=2.0)
     mask = make_padding(2, 1000, seed=9).to(DEV)
     for causal in (False, True):
-        (out, rowmax, lam), _ = run_kernel(q, k, v, None, order=order, causal=causal, scale=scale, mask=mask,
+        (out, rowmax, lam, *_), _ = run_kernel(q, k, v, None, order=order, causal=causal, scale=scale, mask=mask,
                                            newton_iter=newton_iter)
         out_ref, rowmax_ref, lam_ref = reference.stieltjes_forward(q, k, v, mask, causal, scale, order,
                                                                    newton_iter)
@@ -227,8 +242,8 @@ def test_default_settings_within_1e3_of_the_root(dtype, causal):
     """
     for mult in (0.05, 1.0, 3.0, 10.0):
         q, k, v = make_inputs(2, 2, 1, 32, 3001, 64, scale=mult, dtype=dtype, seed=4)
-        (out, _, lam), _ = run_kernel(q, k, v, None, causal=causal, newton_iter=-default_newton_iter(4.0))
-        root, lam_root, _ = oracle(q, k, v, order=4.0, causal=causal, scale=0.125, mask=None)
+        (out, _, lam, *_), _ = run_kernel(q, k, v, None, causal=causal, newton_iter=-default_newton_iter(4.0))
+        root, lam_root, *_ = oracle(q, k, v, order=4.0, causal=causal, scale=0.125, mask=None)
         assert_close_to_oracle(lam, lam_root, atol=0, rtol=1e-3, name=f"lambda at x{mult}")
         rtol = 1e-3 if dtype == torch.float16 else 1e-3 + 2.0 ** -9
         assert_close_to_oracle(out, root, atol=0, rtol=rtol, name=f"output at x{mult}")
@@ -236,11 +251,11 @@ def test_default_settings_within_1e3_of_the_root(dtype, causal):
 
 def test_causality_earlier_rows_bitwise_unchanged():
     q, k, v = make_inputs(2, 4, 2, 333, 333, 64)
-    (out, _, _), _ = run_kernel(q, k, v, None, causal=True, newton_iter=3)
+    (out, *_), _ = run_kernel(q, k, v, None, causal=True, newton_iter=3)
     q2, k2, v2 = (t.clone() for t in (q, k, v))
     for t in (q2, k2, v2):
         t[:, :, 200:] = torch.randn_like(t[:, :, 200:])
-    (out2, _, _), _ = run_kernel(q2, k2, v2, None, causal=True, newton_iter=3)
+    (out2, *_), _ = run_kernel(q2, k2, v2, None, causal=True, newton_iter=3)
     assert torch.equal(out[:, :, :200], out2[:, :, :200])
     assert not torch.equal(out[:, :, 200:], out2[:, :, 200:])
 
@@ -284,7 +299,7 @@ def test_public_function_autograd_uses_the_kernels():
     out = hfab.stieltjes_attention(q, k, v, causal=True, key_padding_mask=mask)
     dout = torch.randn_like(out)
     out.backward(dout)
-    (out_k, _, _), (dq, dk, dv) = run_kernel(q.detach(), k.detach(), v.detach(), dout, causal=True, mask=mask,
+    (out_k, *_), (dq, dk, dv) = run_kernel(q.detach(), k.detach(), v.detach(), dout, causal=True, mask=mask,
                                              newton_iter=-default_newton_iter(4.0))  # the public default's form
     assert torch.equal(out, out_k)
     assert torch.equal(q.grad, dq) and torch.equal(k.grad, dk) and torch.equal(v.grad, dv)
@@ -301,11 +316,26 @@ def test_opcheck():
     q, k, v = (t.requires_grad_(True) for t in make_inputs(2, 4, 2, 65, 65, 64))
     mask = make_padding(2, 65, seed=7).to(DEV)
     torch.library.opcheck(torch.ops.hfab.stieltjes_fwd.default, (q, k, v, mask, True, 0.125, 4.0, 3))
-    torch.library.opcheck(torch.ops.hfab.stieltjes_fwd.default, (q, k, v, None, False, 0.125, 2.5, 2))
+    torch.library.opcheck(torch.ops.hfab.stieltjes_fwd.default, (q, k, v, None, False, 0.125, 2.5, 2, True))
     q, k, v = q.detach(), k.detach(), v.detach()
-    out, rowmax, lam = torch.ops.hfab.stieltjes_fwd(q, k, v, mask, True, 0.125, 4.0, 3)
+    _, rowmax, lam, u, lsum = torch.ops.hfab.stieltjes_fwd(q, k, v, mask, True, 0.125, 4.0, 3, True)
     torch.library.opcheck(torch.ops.hfab.stieltjes_bwd.default,
-                          (torch.randn_like(q), q, k, v, out, rowmax, lam, mask, True, 0.125, 4.0))
+                          (torch.randn_like(q), q, k, v, rowmax, lam, u, lsum, mask, True, 0.125, 4.0))
+
+
+@pytest.mark.parametrize("d", [32, 64, 128])
+@pytest.mark.parametrize("order", [4.0, 2.0, 2.5])
+def test_training_forward_outputs_equal_inference_forward(d, order):
+    """The training variant (backward_state: u and sum P besides) computes out, rowmax and lambda to the bit as the
+    inference variant does."""
+    q, k, v = make_inputs(2, 4, 2, 333, 333, d, dtype=torch.bfloat16)
+    mask = make_padding(2, 333, seed=8).to(DEV)
+    for causal in (False, True):
+        args = (q, k, v, mask, causal, 0.125, order, -default_newton_iter(order))
+        plain, trained = torch.ops.hfab.stieltjes_fwd(*args), torch.ops.hfab.stieltjes_fwd(*args, True)
+        assert plain[3].numel() == plain[4].numel() == 0 and trained[3].shape == q.shape
+        for a, b in zip(plain[:3], trained[:3]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("backend", ["eager", "inductor"])
@@ -333,9 +363,13 @@ def test_unsupported_configurations_raise_clear_errors():
     for scale in (-0.125, math.inf):
         with pytest.raises(RuntimeError, match=rf"scale={scale} is not supported; supported: a finite number > 0"):
             torch.ops.hfab.stieltjes_fwd(q, k, v, None, False, scale, 4.0, 3)
-    out, rowmax, lam = torch.ops.hfab.stieltjes_fwd(q, k, v, None, False, 0.125, 4.0, 3)
+    _, rowmax, lam, u, lsum = torch.ops.hfab.stieltjes_fwd(q, k, v, None, False, 0.125, 4.0, 3, True)
     with pytest.raises(RuntimeError, match=r"lam.dtype=Double; supported: torch.float32"):
-        torch.ops.hfab.stieltjes_bwd(q, q, k, v, out, rowmax, lam.double(), None, False, 0.125, 4.0)
+        torch.ops.hfab.stieltjes_bwd(q, q, k, v, rowmax, lam.double(), u, lsum, None, False, 0.125, 4.0)
+    _, rowmax, lam, u, lsum = torch.ops.hfab.stieltjes_fwd(q, k, v, None, False, 0.125, 4.0, 3)
+    with pytest.raises(RuntimeError, match=r"lsum.shape=\[0\]; .*empty: hfab::stieltjes_fwd returns the backward's "
+                                           r"state with backward_state=True"):
+        torch.ops.hfab.stieltjes_bwd(q, q, k, v, rowmax, lam, u, lsum, None, False, 0.125, 4.0)
 
 
 SANITIZED_RUN = """
@@ -346,8 +380,8 @@ for d, order in ((32, 4.0), (128, 2.5)):
     q = torch.randn(2, 2, 70, d, device="cuda", generator=g).half()
     k, v = (torch.randn(2, 1, 100, d, device="cuda", generator=g).half() for _ in range(2))
     for causal in (False, True):
-        out, rowmax, lam = torch.ops.hfab.stieltjes_fwd(q, k, v, mask, causal, 0.2, order, 2)
-        torch.ops.hfab.stieltjes_bwd(torch.randn_like(out), q, k, v, out, rowmax, lam, mask, causal, 0.2, order)
+        out, rowmax, lam, u, lsum = torch.ops.hfab.stieltjes_fwd(q, k, v, mask, causal, 0.2, order, 2, True)
+        torch.ops.hfab.stieltjes_bwd(torch.randn_like(out), q, k, v, rowmax, lam, u, lsum, mask, causal, 0.2, order)
 torch.cuda.synchronize()
 """
 

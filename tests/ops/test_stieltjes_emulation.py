@@ -21,23 +21,37 @@ def emulator(tmp_path_factory):
     return build("stieltjes", tmp_path_factory.mktemp("emulation"))
 
 
+def geometry(q, k, *, order, causal, scale):
+    """The leading arguments of the emulation's C functions."""
+    b, hq, nq, d = q.shape
+    return (int(q.dtype == torch.bfloat16), d, b, hq, k.shape[1], nq, k.shape[2], int(causal), ctypes.c_float(scale),
+            ctypes.c_float(order))
+
+
+def emulated_fwd(lib, q, k, v, mask, *, order, causal, scale, newton_iter, state):
+    """(out, rowmax, lam, u, lsum) of the emulated forward kernel: the training variant when ``state``, else the
+    inference one (u, lsum None)."""
+    rows = q.shape[:3]
+    out, rowmax, lam = nan_like(q), nan_like(q, rows, torch.float32), nan_like(q, rows, torch.float32)
+    u, lsum = (nan_like(q, q.shape, torch.float32), nan_like(q, rows, torch.float32)) if state else (None, None)
+    check_rc(lib.stieltjes_fwd(*geometry(q, k, order=order, causal=causal, scale=scale), newton_iter, ptr(q), ptr(k),
+                               ptr(v), ptr(mask), ptr(out), ptr(rowmax), ptr(lam), ptr(u), ptr(lsum)), "stieltjes_fwd")
+    return out, rowmax, lam, u, lsum
+
+
 def emulated(lib):
-    """run_kernel for check_against_oracle: ((out, rowmax, lam), (dq, dk, dv)) from the emulated kernels."""
+    """run_kernel for check_against_oracle: ((out, rowmax, lam, u, lsum), (dq, dk, dv)) from the emulated kernels
+    (the training forward, then the backward on its state)."""
     def run(q, k, v, dout, *, order, causal, scale, mask, newton_iter=CONVERGED):
-        b, hq, nq, d = q.shape
-        hkv, nk = k.shape[1], k.shape[2]
-        shape = (int(q.dtype == torch.bfloat16), d, b, hq, hkv, nq, nk, int(causal), ctypes.c_float(scale),
-                 ctypes.c_float(order))
+        shape = geometry(q, k, order=order, causal=causal, scale=scale)
         m = mask.to(torch.uint8).contiguous() if mask is not None else None
-        rows = q.shape[:3]
-        out, rowmax, lam = nan_like(q), nan_like(q, rows, torch.float32), nan_like(q, rows, torch.float32)
-        check_rc(lib.stieltjes_fwd(*shape, newton_iter, ptr(q), ptr(k), ptr(v), ptr(m), ptr(out), ptr(rowmax),
-                                   ptr(lam)), "stieltjes_fwd")
-        dq, dk, dv = nan_like(q), nan_like(k), nan_like(v)
-        delta, lsum = nan_like(q, rows, torch.float32), nan_like(q, rows, torch.float32)
+        out, rowmax, lam, u, lsum = emulated_fwd(lib, q, k, v, m, order=order, causal=causal, scale=scale,
+                                                 newton_iter=newton_iter, state=True)
+        dq, dk, dv, delta = nan_like(q), nan_like(k), nan_like(v), nan_like(q, q.shape[:3], torch.float32)
         check_rc(lib.stieltjes_bwd(*shape, ptr(q), ptr(k), ptr(v), ptr(m), ptr(dout.contiguous()), ptr(rowmax),
-                                   ptr(lam), ptr(delta), ptr(lsum), ptr(dq), ptr(dk), ptr(dv)), "stieltjes_bwd")
-        return (out, rowmax, lam), (dq, dk, dv)
+                                   ptr(lam), ptr(u), ptr(lsum), ptr(delta), ptr(dq), ptr(dk), ptr(dv)),
+                 "stieltjes_bwd")
+        return (out, rowmax, lam, u, lsum), (dq, dk, dv)
     return run
 
 
@@ -52,6 +66,12 @@ def test_forward_and_gradients(emulator, d, causal):
 def test_other_orders(emulator, order):
     q, k, v = cpu_inputs(1, 2, 2, 40, 40, 64)
     check_against_oracle(q, k, v, order=order, causal=True, run=emulated(emulator))
+
+
+def test_flat_fp16_rows_keep_their_precision(emulator):
+    # order 1 over 200 keys: P ~ 1/n and R ~ 1/(n lam) sit below fp16's normal range unless scaled by lam's powers
+    q, k, v = cpu_inputs(1, 1, 1, 200, 200, 64, seed=10)
+    check_against_oracle(q, k, v, order=1.0, newton_iter=100, run=emulated(emulator))
 
 
 def test_bfloat16_key_padding_and_bottom_right_causal(emulator):
@@ -72,10 +92,21 @@ def solver_inputs(scale):
 
 
 def emulated_forward(emulator, q, k, v, mask, *, order, causal, newton_iter):
-    """(out, rowmax, lambda) of the emulated forward kernel."""
-    fwd, _ = emulated(emulator)(q, k, v, torch.randn_like(q), order=order, causal=causal, scale=0.125, mask=mask,
-                                newton_iter=newton_iter)
-    return fwd
+    """(out, rowmax, lambda) of the emulated forward kernel (the inference variant)."""
+    return emulated_fwd(emulator, q, k, v, mask.to(torch.uint8), order=order, causal=causal, scale=0.125,
+                        newton_iter=newton_iter, state=False)[:3]
+
+
+@pytest.mark.parametrize("order", [4.0, 2.5])
+def test_training_forward_outputs_equal_inference_forward(emulator, order):
+    """The training variant (u and sum P besides) computes out, rowmax and lambda to the bit as the inference one."""
+    q, k, v, mask = solver_inputs(1.0)
+    for causal in (False, True):
+        kw = dict(order=order, causal=causal, scale=0.125, newton_iter=-1)
+        plain = emulated_fwd(emulator, q, k, v, mask.to(torch.uint8), state=False, **kw)
+        trained = emulated_fwd(emulator, q, k, v, mask.to(torch.uint8), state=True, **kw)
+        for a, b in zip(plain[:3], trained[:3]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("order", [2.0, 4.0])

@@ -15,14 +15,25 @@ MAX_NEWTON_ITER = 100
 
 
 def _stieltjes_fwd(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], causal: bool,
-                   scale: float, order: float, newton_iter: int) -> tuple[Tensor, Tensor, Tensor]:
-    out, rowmax, lam = reference.stieltjes_forward(q, k, v, key_padding_mask, causal, scale, order, newton_iter)
-    return out.contiguous(), rowmax.contiguous(), lam.contiguous()
+                   scale: float, order: float, newton_iter: int,
+                   backward_state: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, rowmax, lam, u, lsum): u (B, Hq, Nq, D) = sum_j r_ij v_j / sum_j r_ij and lsum (B, Hq, Nq) =
+    sum_j P_ij in the compute dtype when ``backward_state`` (the backward's delta is dO . u), else empty (0,)."""
+    out, rowmax, lam, *state = reference.stieltjes_forward(q, k, v, key_padding_mask, causal, scale, order,
+                                                           newton_iter, backward_state=backward_state)
+    u, lsum = state if backward_state else (_no_state(q), _no_state(q))
+    return out.contiguous(), rowmax.contiguous(), lam.contiguous(), u.contiguous(), lsum.contiguous()
 
 
-def _stieltjes_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, rowmax: Tensor, lam: Tensor,
-                   key_padding_mask: Optional[Tensor], causal: bool, scale: float,
+def _no_state(q: Tensor) -> Tensor:
+    return q.new_empty((0,), dtype=compute_dtype(q.dtype))
+
+
+def _stieltjes_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, rowmax: Tensor, lam: Tensor, u: Tensor,
+                   lsum: Tensor, key_padding_mask: Optional[Tensor], causal: bool, scale: float,
                    order: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The CPU reference recomputes delta and sum P from the scores (u and lsum, which the CUDA kernels read, may
+    be empty here)."""
     dq, dk, dv = reference.stieltjes_backward(dout, q, k, v, rowmax, lam, key_padding_mask, causal, scale, order)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
@@ -32,31 +43,33 @@ stieltjes_bwd = cpu_op("stieltjes_bwd", _stieltjes_bwd)
 
 
 @stieltjes_fwd.register_fake
-def _(q, k, v, key_padding_mask, causal, scale, order, newton_iter):
+def _(q, k, v, key_padding_mask, causal, scale, order, newton_iter, backward_state=False):
     state_dtype = compute_dtype(q.dtype)
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty(q.shape[:3], dtype=state_dtype), q.new_empty(q.shape[:3], dtype=state_dtype))
+    rows = q.new_empty(q.shape[:3], dtype=state_dtype)
+    u, lsum = (q.new_empty(q.shape, dtype=state_dtype), torch.empty_like(rows)) if backward_state \
+        else (_no_state(q), _no_state(q))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), rows, torch.empty_like(rows), u, lsum
 
 
 @stieltjes_bwd.register_fake
-def _(dout, q, k, v, out, rowmax, lam, key_padding_mask, causal, scale, order):
+def _(dout, q, k, v, rowmax, lam, u, lsum, key_padding_mask, causal, scale, order):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_padding_mask, causal, scale, order, _newton_iter = inputs
-    out, rowmax, lam = output
-    ctx.save_for_backward(q, k, v, out, rowmax, lam, key_padding_mask)
+    q, k, v, key_padding_mask, causal, scale, order, _newton_iter, *_backward_state = inputs
+    _out, rowmax, lam, u, lsum = output
+    ctx.save_for_backward(q, k, v, rowmax, lam, u, lsum, key_padding_mask)
     ctx.causal, ctx.scale, ctx.order = causal, scale, order
 
 
-def _backward(ctx, dout, _drowmax, _dlam):
-    q, k, v, out, rowmax, lam, key_padding_mask = ctx.saved_tensors
-    dq, dk, dv = stieltjes_bwd(dout.contiguous(), q, k, v, out, rowmax, lam, key_padding_mask, ctx.causal,
+def _backward(ctx, dout, _drowmax, _dlam, _du, _dlsum):
+    q, k, v, rowmax, lam, u, lsum, key_padding_mask = ctx.saved_tensors
+    dq, dk, dv = stieltjes_bwd(dout.contiguous(), q, k, v, rowmax, lam, u, lsum, key_padding_mask, ctx.causal,
                                ctx.scale, ctx.order)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 stieltjes_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -130,5 +143,5 @@ def stieltjes_attention(q: Tensor, k: Tensor, v: Tensor, *, order: float = 4.0, 
         is that of the exact root (implicit function theorem) evaluated at the computed lambda.
     """
     order, newton_iter, scale, key_padding_mask = _check_args(q, k, v, order, newton_iter, scale, key_padding_mask)
-    out, _, _ = stieltjes_fwd(q, k, v, key_padding_mask, bool(causal), scale, order, newton_iter)
-    return out
+    backward_state = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return stieltjes_fwd(q, k, v, key_padding_mask, bool(causal), scale, order, newton_iter, backward_state)[0]

@@ -166,36 +166,43 @@ def solver_iterates(x: Tensor, lam: Tensor, order: float, upper: Tensor) -> tupl
 
 
 def _forward_chunk(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, order: float,
-                   newton_iter: int) -> tuple[Tensor, Tensor, Tensor]:
+                   newton_iter: int, backward_state: bool) -> tuple[Tensor, ...]:
     s = _scores(q, k, allowed, scale)
     rowmax = s.amax(dim=-1)
     x = s - rowmax[..., None]
     lam = solve_lambda(x, allowed, order, newton_iter)
-    p = (lam[..., None] - x).pow(-order)
-    out = torch.matmul(p, v) / p.sum(dim=-1, keepdim=True)
-    return out, rowmax, lam
+    y = lam[..., None] - x
+    p = y.pow(-order)
+    lsum = p.sum(dim=-1)
+    out = torch.matmul(p, v) / lsum[..., None]
+    if not backward_state:
+        return out, rowmax, lam
+    r = p / y
+    return out, rowmax, lam, torch.matmul(r, v) / r.sum(dim=-1, keepdim=True), lsum
 
 
 def stieltjes_forward(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], causal: bool,
-                      scale: float, order: float, newton_iter: int, *,
-                      recompute: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                      scale: float, order: float, newton_iter: int, *, recompute: bool = False,
+                      backward_state: bool = False) -> tuple[Tensor, ...]:
     """q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D) -> out (B, Hq, Nq, D) in q.dtype, rowmax and lambda
-    (B, Hq, Nq) in the compute dtype. ``recompute``: checkpoint each query chunk (autograd through
-    this function keeps only the chunks' inputs, recomputing the rest in the backward)."""
+    (B, Hq, Nq) in the compute dtype; with ``backward_state`` also u = sum_j r_ij v_j / sum_j r_ij
+    (B, Hq, Nq, D) and sum_j P_ij (B, Hq, Nq), in the compute dtype (0 on rows with no key): the backward's
+    delta_i = sum_j dP_ij r_ij / sum_j r_ij is dO_i . u_i. ``recompute``: checkpoint each query chunk
+    (autograd through this function keeps only the chunks' inputs, recomputing the rest in the backward)."""
     ct = compute_dtype(q.dtype)
     hq = q.shape[1]
     qf, kf, vf = q.to(ct), repeat_kv(k, hq).to(ct), repeat_kv(v, hq).to(ct)
     allowed, has_key = _allowed(q, k, key_padding_mask, causal)
-    outs, maxes, lams = [], [], []
+    chunks = []
     for rows in _row_chunks(q.shape[0], hq, q.shape[2], k.shape[2]):
-        args = (qf[:, :, rows], kf, vf, allowed[:, :, rows], scale, order, newton_iter)
-        out, rowmax, lam = checkpoint(_forward_chunk, *args, use_reentrant=False) if recompute \
-            else _forward_chunk(*args)
-        outs.append(out)
-        maxes.append(rowmax)
-        lams.append(lam)
-    out = zero_empty_rows(torch.cat(outs, dim=2), has_key)
-    return out.to(q.dtype), torch.cat(maxes, dim=2), torch.cat(lams, dim=2)
+        args = (qf[:, :, rows], kf, vf, allowed[:, :, rows], scale, order, newton_iter, backward_state)
+        chunks.append(checkpoint(_forward_chunk, *args, use_reentrant=False) if recompute else _forward_chunk(*args))
+    out, rowmax, lam, *state = (torch.cat(parts, dim=2) for parts in zip(*chunks))
+    out = zero_empty_rows(out, has_key).to(q.dtype)
+    if not backward_state:
+        return out, rowmax, lam
+    u, lsum = state
+    return out, rowmax, lam, zero_empty_rows(u, has_key), zero_empty_rows(lsum[..., None], has_key)[..., 0]
 
 
 def stieltjes_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, rowmax: Tensor, lam: Tensor,

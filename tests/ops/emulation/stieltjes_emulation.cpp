@@ -45,11 +45,12 @@ void check_smem() {
   static_assert(sizeof(Smem) <= sizeof(smem_raw), "dynamic shared memory of the emulation too small");
 }
 
-template <typename T, int D, int IORD>
+template <typename T, int D, int IORD, bool STATE>
 bool forward(const Params& p, int b) {
   using Cfg = FwdCfg<D>;
   check_smem<typename Cfg::Smem>();
-  return emu::launch(dim3(emu::blocks(p.nq, Cfg::BQ), p.hq, b), kThreads, [&] { stieltjes_fwd_kernel<T, D, IORD>(p); });
+  return emu::launch(dim3(emu::blocks(p.nq, Cfg::BQ), p.hq, b), kThreads,
+                     [&] { stieltjes_fwd_kernel<T, D, IORD, STATE>(p); });
 }
 
 template <typename T, int D, int IORD>
@@ -82,28 +83,37 @@ int dispatch(int bf16, int d, float order, Fn&& fn) {
 
 extern "C" {
 
-// out, rowmax, lam = the Stieltjes forward. Returns 0; 1 for an unsupported head dim, 2 when a block deadlocks.
+// out, rowmax, lam = the Stieltjes forward; with u (B, Hq, Nq, D) and lsum (B, Hq, Nq) not null, the training
+// variant that also writes them. Returns 0; 1 for an unsupported head dim, 2 when a block deadlocks.
 int stieltjes_fwd(int bf16, int d, int b, int hq, int hkv, int nq, int nk, int causal, float scale, float order,
                   int newton_iter, const void* q, const void* k, const void* v, const unsigned char* mask, void* out,
-                  float* rowmax, float* lam) {
+                  float* rowmax, float* lam, float* u, float* lsum) {
   Params p = params(d, hq, hkv, nq, nk, causal, scale, order, q, k, v, mask);
   p.o = out;
   p.rowmax = rowmax;
   p.lam = lam;
+  p.u = u;
+  p.lsum = lsum;
   p.newton_iter = newton_iter;
-  return dispatch(bf16, d, order, [&]<typename T, int D, int IORD>() { return forward<T, D, IORD>(p, b); });
+  const bool state = u != nullptr && lsum != nullptr;
+  return dispatch(bf16, d, order, [&]<typename T, int D, int IORD>() {
+    return state ? forward<T, D, IORD, true>(p, b) : forward<T, D, IORD, false>(p, b);
+  });
 }
 
-// dq, dk, dv = the Stieltjes backward (delta, lsum: (B, Hq, Nq) fp32 scratch). Returns as stieltjes_fwd.
+// dq, dk, dv = the Stieltjes backward from the training forward's u and lsum (delta: (B, Hq, Nq) fp32 scratch).
+// Returns as stieltjes_fwd.
 int stieltjes_bwd(int bf16, int d, int b, int hq, int hkv, int nq, int nk, int causal, float scale, float order,
                   const void* q, const void* k, const void* v, const unsigned char* mask, const void* dout,
-                  const float* rowmax, const float* lam, float* delta, float* lsum, void* dq, void* dk, void* dv) {
+                  const float* rowmax, const float* lam, const float* u, const float* lsum, float* delta, void* dq,
+                  void* dk, void* dv) {
   Params p = params(d, hq, hkv, nq, nk, causal, scale, order, q, k, v, mask);
   p.dout = dout;
   p.rowmax = const_cast<float*>(rowmax);
   p.lam = const_cast<float*>(lam);
+  p.u = const_cast<float*>(u);
+  p.lsum = const_cast<float*>(lsum);
   p.delta = delta;
-  p.lsum = lsum;
   p.o = dq;
   p.dk = dk;
   p.dv = dv;
