@@ -471,6 +471,13 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
   // both at D <= 64; D 128 has no registers for both accumulators at once (255 and spills), so its training forward
   // sweeps again for ru, in o's registers (its backward saves the same sweep).
   float o[D / 8][4], l[2] = {0.f, 0.f}, lr[2] = {0.f, 0.f};
+  // P scaled by lam^order (below) in the fast-path orders; the any-order kernel at D 64 has no register for it (spills)
+  constexpr bool kScaleP = IORD != 0;
+  auto lam_power = [&](float x) {  // x^-order
+    float x_p, x_r;
+    powers<IORD>(x, order, x_p, x_r);
+    return x_p;
+  };
   auto output_sweep = [&](auto want_p, auto want_r, float (&po)[D / 8][4], float (&ro)[D / 8][4]) {
     constexpr bool kP = decltype(want_p)::value, kR = decltype(want_r)::value;
 #pragma unroll
@@ -481,16 +488,16 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
         if constexpr (kR) ro[t][e] = 0.f;
       }
     shift_by_max();
-    // R lam^(order+1) (at most 1, 1 at the row's max; u does not change): R ~ 1/(n lam) of a long flat row falls
-    // below fp16's normal range, where its 16-bit parts keep a few bits
-    float r_unit[2] = {1.f, 1.f};
-    if constexpr (kR) {
+    // P lam^order and R lam^(order+1) (at most 1, 1 at the row's max; out and u do not change): P ~ 1/n and
+    // R ~ 1/(n lam) of a long flat row fall below fp16's normal range, where their 16-bit parts keep a few bits
+    // (out 1e-3 off at N 65,536). y stays the solver's, so sum P stays at 1 to rounding.
+    float p_unit[2] = {1.f, 1.f}, r_unit[2] = {1.f, 1.f};
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float lam_p, lam_r;
-        powers<IORD>(lam[r], order, lam_p, lam_r);
-        r_unit[r] = 1.f / lam_r;
-      }
+    for (int r = 0; r < 2; ++r) {
+      float lam_p, lam_r;
+      powers<IORD>(lam[r], order, lam_p, lam_r);
+      if constexpr (kP && kScaleP) p_unit[r] = 1.f / lam_p;
+      if constexpr (kR) r_unit[r] = 1.f / lam_r;
     }
     sweep(true, [&](auto& s, int buf, int koff, bool) {
       constexpr int NW = std::extent_v<std::remove_reference_t<decltype(s)>>;
@@ -501,6 +508,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
         for (int e = 0; e < 4; ++e) {
           float pp;
           powers<IORD>(fmaf(s[j][e], neg_scale, lam_m[e / 2]), order, pp, rs[j][e]);
+          if constexpr (kP && kScaleP) pp *= p_unit[e / 2];
           s[j][e] = pp;
           if constexpr (kP) l[e / 2] += pp;
           if constexpr (kR) {
@@ -552,7 +560,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
     const long long row = (long long)(b * p.hq + h) * p.nq + i;
     p.rowmax[row] = m[r];
     p.lam[row] = lam[r];
-    if constexpr (STATE) p.lsum[row] = l[r];
+    if constexpr (STATE) p.lsum[row] = kScaleP ? l[r] * lam_power(lam[r]) : l[r];
   }
   if constexpr (STATE && D > 64) {
     output_sweep(std::false_type{}, std::true_type{}, o, o);
