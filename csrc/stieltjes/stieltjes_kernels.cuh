@@ -722,6 +722,12 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h;
 
+  // dv's P / sum P enters its product times 2^min(15, floor(log2 nk)) (exact; undone at the store): a long flat
+  // row's P ~ 1/nk would sit below fp16's normal range; P / sum P <= 1 keeps it under fp16's max
+  int nk_exp;
+  frexpf(static_cast<float>(max(p.nk, 1)), &nk_exp);
+  const float dv_unit = ldexpf(1.f, min(15, nk_exp - 1));
+
   load_rows(sm.k, k, p.sk.n, k0, p.nk);
   load_rows(sm.v, v, p.sv.n, k0, p.nk);
   const int key[2] = {k0 + kr0 + g, k0 + kr0 + g + 8};
@@ -746,7 +752,7 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
       const bool in = i < p.nq;
       const float m = in ? p.rowmax[row_base + i] : 0.f, lam = in ? p.lam[row_base + i] : 1.f;
       const float l = in ? p.lsum[row_base + i] : 0.f;
-      sm.rows[buf][cq] = make_float4(lam - (-m), l > 0.f ? 1.f / l : 0.f, in ? p.delta[row_base + i] : 0.f, 0.f);
+      sm.rows[buf][cq] = make_float4(lam - (-m), l > 0.f ? dv_unit / l : 0.f, in ? p.delta[row_base + i] : 0.f, 0.f);
     }
   };
   if (tiles > 0) issue(0);
@@ -793,6 +799,7 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
     }
   }
 
+  const float inv_dv_unit = 1.f / dv_unit;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (key[r] >= p.nk) continue;
@@ -804,7 +811,7 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
       *reinterpret_cast<unsigned*>(dkr + 8 * dt + c) =
           Pair<T>::from_float2(make_float2(dk[dt][2 * r] * p.scale, dk[dt][2 * r + 1] * p.scale));
       *reinterpret_cast<unsigned*>(dvr + 8 * dt + c) =
-          Pair<T>::from_float2(make_float2(dv[dt][2 * r], dv[dt][2 * r + 1]));
+          Pair<T>::from_float2(make_float2(dv[dt][2 * r] * inv_dv_unit, dv[dt][2 * r + 1] * inv_dv_unit));
     }
   }
 }
