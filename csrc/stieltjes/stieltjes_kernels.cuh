@@ -24,7 +24,9 @@
 //   stieltjes_dkv_kernel  (key block of 64, kv head, batch): loops over the group's q heads and the query
 //                         tiles (32, or 16 at D 128): dv = (P / sum P)^T dO, dk = scale dS^T Q; no atomics
 // Products whose left operand is computed in fp32 (P, dS) are split into a 16-bit high part and a 16-bit
-// residual (two mma), so the fp32 value enters the product to ~2^-16 relative instead of 2^-8 (bf16).
+// residual (two mma), so the fp32 value enters the product to ~2^-16 relative instead of 2^-8 (bf16). In fp16 that
+// holds only in its normal range: a long flat row's P ~ 1/N falls below it, so the forward's P and R are scaled per
+// row by powers of lambda and the dkv kernel's P / sum P by a power of two (both undone in the result); dS is not.
 #pragma once
 
 #include <cstdint>
