@@ -26,7 +26,8 @@
 // Products whose left operand is computed in fp32 (P, dS) are split into a 16-bit high part and a 16-bit
 // residual (two mma), so the fp32 value enters the product to ~2^-16 relative instead of 2^-8 (bf16). In fp16 that
 // holds only in its normal range: a long flat row's P ~ 1/N falls below it, so the forward's P and R are scaled per
-// row by powers of lambda and the dkv kernel's P / sum P by a power of two (both undone in the result); dS is not.
+// row by powers of lambda, the dq kernel's dS per row by lambda^(order+1) and the dkv kernel's P / sum P by a power
+// of two (all undone in the result); the dkv kernel's dS (summed over rows, for dk) is not.
 #pragma once
 
 #include <cstdint>
@@ -625,12 +626,18 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
   uint32_t qf[D / 16][4], df[D / 16][4];
   a_frags(qf, sm.u.qd.q, 16 * warp, lane);
   a_frags(df, sm.u.qd.dout, 16 * warp, lane);
-  float lam_m[2], delta[2];  // lam + m: y = (lam + m) - s scale, the forward's y to the bit
+  // lam + m: y = (lam + m) - s scale, the forward's y to the bit. ds_unit: order lam^(order+1), so dS enters the
+  // product as order (lam / y)^(order+1) (dP - delta), out of fp16's subnormals for a long flat row and no larger
+  // than at a row's max key; undone per row at the store
+  float lam_m[2], delta[2], ds_unit[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int i = r0 + g + 8 * r;
     const float m = i < p.nq ? p.rowmax[row_base + i] : 0.f, lam = i < p.nq ? p.lam[row_base + i] : 1.f;
     lam_m[r] = lam - (-m);
+    float lam_p, lam_r;
+    powers<IORD>(lam, order, lam_p, lam_r);
+    ds_unit[r] = order / lam_r;
     delta[r] = i < p.nq ? row_delta<T, D>(sm.u.qd.dout.h[16 * warp + g + 8 * r], p.u + (row_base + i) * D, c) : 0.f;
     delta[r] = mma::quad_sum(delta[r]);
     if (i < p.nq && lane % 4 == 0) p.delta[row_base + i] = delta[r];
@@ -681,7 +688,7 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
       for (int e = 0; e < 4; ++e) {
         float pp, rr;
         powers<IORD>(fmaf(s[j][e], neg_scale, lam_m[e / 2]), order, pp, rr);
-        s[j][e] = order * rr * (dp[j][e] - delta[e / 2]);
+        s[j][e] = ds_unit[e / 2] * rr * (dp[j][e] - delta[e / 2]);
       }
     mma_xb<NT, BK, D, T>(dq, s, sm.u.kv[buf].k, lane, koff);
   });
@@ -691,10 +698,11 @@ __global__ void __launch_bounds__(kThreads, DqCfg<D>::kMinBlocks) stieltjes_dq_k
     const int i = r0 + g + 8 * r;
     if (i >= p.nq) continue;
     T* out = static_cast<T*>(p.o) + (row_base + i) * D;
+    const float f = p.scale * order / ds_unit[r];
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt)
       *reinterpret_cast<unsigned*>(out + 8 * dt + c) =
-          Pair<T>::from_float2(make_float2(dq[dt][2 * r] * p.scale, dq[dt][2 * r + 1] * p.scale));
+          Pair<T>::from_float2(make_float2(dq[dt][2 * r] * f, dq[dt][2 * r + 1] * f));
   }
 }
 
