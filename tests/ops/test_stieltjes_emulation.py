@@ -69,7 +69,7 @@ def test_other_orders(emulator, order):
 
 
 def test_flat_fp16_rows_keep_their_precision(emulator):
-    # order 1 over 200 keys: P ~ 1/n and R ~ 1/(n lam) sit below fp16's normal range unless scaled by lam's powers
+    # order 1 over 200 keys: R ~ 1/(n lam) sits below fp16's normal range unless scaled by lam^(order+1)
     q, k, v = cpu_inputs(1, 1, 1, 200, 200, 64, seed=10)
     check_against_oracle(q, k, v, order=1.0, newton_iter=100, run=emulated(emulator))
 
