@@ -244,6 +244,38 @@ __device__ __forceinline__ void mma_xb(float (&acc)[D / 8][4], const float (&x)[
   }
 }
 
+// fp16 only (bf16 has fp32's range): x, a left operand of mma_xb summed over many products into acc, enters times a
+// warp-wide power of two 2^e that puts the largest |x| so far in [2^14, 2^15), so that a small x (dS ~ 1 / N at a
+// long flat row, or beside a small dO) keeps its bits in fp16; a larger x lowers e and rescales acc (exact). e
+// starts at kMaxUnitExp; the result is acc 2^-e. All 32 lanes call it (shuffles).
+constexpr int kMaxUnitExp = 64, kMinUnitExp = -100;
+template <typename T, int NT, int NA>
+__device__ __forceinline__ void to_running_unit(float (&x)[NT][4], float (&acc)[NA][4], int& e) {
+  if constexpr (std::is_same_v<T, __half>) {
+    float mx = 0.f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) mx = fmaxf(mx, fabsf(x[j][k]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const int want = max(kMinUnitExp, 14 - (static_cast<int>(__float_as_uint(mx) >> 23) - 127));  // mx 2^want: [2^14, 2^15)
+    if (want < e) {  // warp-uniform
+      const float f = ldexpf(1.f, want - e);
+#pragma unroll
+      for (int t = 0; t < NA; ++t)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[t][k] *= f;
+      e = want;
+    }
+    const float unit = __uint_as_float(static_cast<unsigned>(e + 127) << 23);
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) x[j][k] *= unit;
+  }
+}
+
 __device__ __forceinline__ bool key_ok(const Params& p, int b, int j) {
   return j < p.nk && (p.kpm == nullptr || p.kpm[b * p.kpm_sb + j * p.kpm_sn]);
 }
@@ -748,6 +780,7 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
   for (int t = 0; t < D / 8; ++t)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[t][e] = dv[t][e] = 0.f;
+  int dk_exp = std::is_same_v<T, __half> ? kMaxUnitExp : 0;  // dk holds dk 2^dk_exp (to_running_unit)
 
   // query tiles (q head of the group, query block), causal: from the first block that sees key k0
   const int first = p.causal ? max(0, k0 - off) / BQ * BQ : 0;
@@ -805,11 +838,12 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
           return ok ? fmaf(s[j][e], -p.scale, lam_m) - kbias[e / 2] : inf();
         });
       mma_xb<NT, BQ, D, T>(dv, s, sm.dout[buf], lane, qoff);
+      to_running_unit<T>(dp, dk, dk_exp);
       mma_xb<NT, BQ, D, T>(dk, dp, sm.q[buf], lane, qoff);
     }
   }
 
-  const float inv_dv_unit = 1.f / dv_unit;
+  const float inv_dv_unit = 1.f / dv_unit, dk_f = ldexpf(p.scale, -dk_exp);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (key[r] >= p.nk) continue;
@@ -819,7 +853,7 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
       *reinterpret_cast<unsigned*>(dkr + 8 * dt + c) =
-          Pair<T>::from_float2(make_float2(dk[dt][2 * r] * p.scale, dk[dt][2 * r + 1] * p.scale));
+          Pair<T>::from_float2(make_float2(dk[dt][2 * r] * dk_f, dk[dt][2 * r + 1] * dk_f));
       *reinterpret_cast<unsigned*>(dvr + 8 * dt + c) =
           Pair<T>::from_float2(make_float2(dv[dt][2 * r] * inv_dv_unit, dv[dt][2 * r + 1] * inv_dv_unit));
     }
