@@ -27,7 +27,8 @@
 // residual (two mma), so the fp32 value enters the product to ~2^-16 relative instead of 2^-8 (bf16). In fp16 that
 // holds only in its normal range: a long flat row's P ~ 1/N falls below it, so the forward's P and R are scaled per
 // row by powers of lambda, the dq kernel's dS per row by lambda^(order+1) and the dkv kernel's P / sum P by a power
-// of two (all undone in the result); the dkv kernel's dS (summed over rows, for dk) is not.
+// of two, its dS (summed over rows, for dk) by a running power of two per warp (to_running_unit; all undone in
+// the result).
 #pragma once
 
 #include <cstdint>
