@@ -25,10 +25,10 @@
 //                         tiles (32, or 16 at D 128): dv = (P / sum P)^T dO, dk = scale dS^T Q; no atomics
 // Products whose left operand is computed in fp32 (P, dS) are split into a 16-bit high part and a 16-bit
 // residual (two mma), so the fp32 value enters the product to ~2^-16 relative instead of 2^-8 (bf16). In fp16 that
-// holds only in its normal range: a long flat row's P ~ 1/N falls below it, so the forward's P and R are scaled per
-// row by powers of lambda, the dq kernel's dS per row by lambda^(order+1) and the dkv kernel's P / sum P by a power
-// of two, its dS (summed over rows, for dk) by a running power of two per warp (to_running_unit; all undone in
-// the result).
+// holds only in its normal range: a long flat row's P ~ 1/N falls below it, so the forward's P and R enter times
+// 2^15 (kPUnit), the dq kernel's dS per row times lambda^(order+1) and the dkv kernel's P / sum P times a power of
+// two, its dS (summed over rows, for dk) times a running power of two per warp (to_running_unit; all undone in the
+// result).
 #pragma once
 
 #include <cstdint>
@@ -250,6 +250,11 @@ __device__ __forceinline__ void mma_xb(float (&acc)[D / 8][4], const float (&x)[
 // long flat row, or beside a small dO) keeps its bits in fp16; a larger x lowers e and rescales acc (exact). e
 // starts at kMaxUnitExp; the result is acc 2^-e. All 32 lanes call it (shuffles).
 constexpr int kMaxUnitExp = 64, kMinUnitExp = -100;
+// P = y^-order and R = y^(-order-1) lie in [0, 1] (y >= lam >= 1); the forward's P V and R V products take them times
+// 2^15 (exact; out = o / l and u do not change): a long flat row's P ~ 1/N (R ~ 1/(N lam)) would sit below fp16's
+// normal range, where their 16-bit parts keep a few bits (out 1e-3 off at N 65,536); scaled, every value above 2^-29
+// is normal, and none exceeds fp16's max.
+constexpr float kPUnit = 32768.f;
 template <typename T, int NT, int NA>
 __device__ __forceinline__ void to_running_unit(float (&x)[NT][4], float (&acc)[NA][4], int& e) {
   if constexpr (std::is_same_v<T, __half>) {
@@ -505,15 +510,8 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
 
   // The output sweep: o = P V, l = sum P and, for STATE, ru = R V, lr = sum R (R = y^(-order-1)): one sweep for
   // both at D <= 64; D 128 has no registers for both accumulators at once (255 and spills), so its training forward
-  // sweeps again for ru, in o's registers (its backward saves the same sweep).
+  // sweeps again for ru, in o's registers (its backward saves the same sweep). P and R enter times kPUnit.
   float o[D / 8][4], l[2] = {0.f, 0.f}, lr[2] = {0.f, 0.f};
-  // P scaled by lam^order (below) in the fast-path orders; the any-order kernel at D 64 has no register for it (spills)
-  constexpr bool kScaleP = IORD != 0;
-  auto lam_power = [&](float x) {  // x^-order
-    float x_p, x_r;
-    powers<IORD>(x, order, x_p, x_r);
-    return x_p;
-  };
   auto output_sweep = [&](auto want_p, auto want_r, float (&po)[D / 8][4], float (&ro)[D / 8][4]) {
     constexpr bool kP = decltype(want_p)::value, kR = decltype(want_r)::value;
 #pragma unroll
@@ -524,17 +522,6 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
         if constexpr (kR) ro[t][e] = 0.f;
       }
     shift_by_max();
-    // P lam^order and R lam^(order+1) (at most 1, 1 at the row's max; out and u do not change): P ~ 1/n and
-    // R ~ 1/(n lam) of a long flat row fall below fp16's normal range, where their 16-bit parts keep a few bits
-    // (out 1e-3 off at N 65,536). y stays the solver's, so sum P stays at 1 to rounding.
-    float p_unit[2] = {1.f, 1.f}, r_unit[2] = {1.f, 1.f};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float lam_p, lam_r;
-      powers<IORD>(lam[r], order, lam_p, lam_r);
-      if constexpr (kP && kScaleP) p_unit[r] = 1.f / lam_p;
-      if constexpr (kR) r_unit[r] = 1.f / lam_r;
-    }
     sweep(true, [&](auto& s, int buf, int koff, bool) {
       constexpr int NW = std::extent_v<std::remove_reference_t<decltype(s)>>;
       float rs[NW][4];
@@ -544,11 +531,11 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
         for (int e = 0; e < 4; ++e) {
           float pp;
           powers<IORD>(fmaf(s[j][e], neg_scale, lam_m[e / 2]), order, pp, rs[j][e]);
-          if constexpr (kP && kScaleP) pp *= p_unit[e / 2];
+          pp *= kPUnit;
           s[j][e] = pp;
           if constexpr (kP) l[e / 2] += pp;
           if constexpr (kR) {
-            rs[j][e] *= r_unit[e / 2];
+            rs[j][e] *= kPUnit;
             lr[e / 2] += rs[j][e];
           }
         }
@@ -596,7 +583,7 @@ __global__ void __launch_bounds__(kThreads, FwdCfg<D>::min_blocks(STATE)) stielt
     const long long row = (long long)(b * p.hq + h) * p.nq + i;
     p.rowmax[row] = m[r];
     p.lam[row] = lam[r];
-    if constexpr (STATE) p.lsum[row] = kScaleP ? l[r] * lam_power(lam[r]) : l[r];
+    if constexpr (STATE) p.lsum[row] = l[r] * (1.f / kPUnit);
   }
   if constexpr (STATE && D > 64) {
     output_sweep(std::false_type{}, std::true_type{}, o, o);

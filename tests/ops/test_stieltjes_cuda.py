@@ -250,11 +250,12 @@ def test_default_settings_within_1e3_of_the_root(dtype, causal):
         assert_close_to_oracle(out, root, atol=0, rtol=rtol, name=f"output at x{mult}")
 
 
-@pytest.mark.parametrize("order", [2.0, 4.0])
+@pytest.mark.parametrize("order", [2.0, 3.0, 4.0])
 def test_long_flat_fp16_rows_within_1e3(order):
     """65,536 keys with N(0, 1) scores: every P is about 1/N (1.5e-5), below fp16's normal range, unless the kernels
-    scale it by lambda^order before its 16-bit parts go into P V (a float64 model of unscaled parts leaves the output
-    1.2e-3 (order 4) and 2.2e-3 (order 2) off, relative to max|out|). Inference and training forward."""
+    scale it (by 2^15) before its 16-bit parts go into P V (a float64 model of unscaled parts leaves the output
+    1.2e-3 (order 4) and 2.2e-3 (order 2) off, relative to max|out|). Inference and training forward; order 3 is the
+    any-order kernel."""
     q, k, v = make_inputs(1, 1, 1, 32, 65536, 64, seed=5)
     root, *_ = oracle(q, k, v, order=order, causal=False, scale=0.125, mask=None)
     for dout in (None, torch.randn_like(q)):
