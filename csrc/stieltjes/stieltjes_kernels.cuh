@@ -245,16 +245,17 @@ __device__ __forceinline__ void mma_xb(float (&acc)[D / 8][4], const float (&x)[
   }
 }
 
-// fp16 only (bf16 has fp32's range): x, a left operand of mma_xb summed over many products into acc, enters times a
-// warp-wide power of two 2^e that puts the largest |x| so far in [2^14, 2^15), so that a small x (dS ~ 1 / N at a
-// long flat row, or beside a small dO) keeps its bits in fp16; a larger x lowers e and rescales acc (exact). e
-// starts at kMaxUnitExp; the result is acc 2^-e. All 32 lanes call it (shuffles).
-constexpr int kMaxUnitExp = 64, kMinUnitExp = -100;
 // P = y^-order and R = y^(-order-1) lie in [0, 1] (y >= lam >= 1); the forward's P V and R V products take them times
 // 2^15 (exact; out = o / l and u do not change): a long flat row's P ~ 1/N (R ~ 1/(N lam)) would sit below fp16's
 // normal range, where their 16-bit parts keep a few bits (out 1e-3 off at N 65,536); scaled, every value above 2^-29
 // is normal, and none exceeds fp16's max.
 constexpr float kPUnit = 32768.f;
+
+// fp16 only (bf16 has fp32's range): x, a left operand of mma_xb summed over many products into acc, enters times a
+// warp-wide power of two 2^e that puts the largest |x| so far in [2^14, 2^15), so that a small x (dS ~ 1 / N at a
+// long flat row, or beside a small dO) keeps its bits in fp16; a larger x lowers e and rescales acc (exact). e
+// starts at kMaxUnitExp; the result is acc 2^-e. All 32 lanes call it (shuffles).
+constexpr int kMaxUnitExp = 64, kMinUnitExp = -100;
 template <typename T, int NT, int NA>
 __device__ __forceinline__ void to_running_unit(float (&x)[NT][4], float (&acc)[NA][4], int& e) {
   if constexpr (std::is_same_v<T, __half>) {
