@@ -274,7 +274,8 @@ def test_long_flat_fp16_rows_gradients_within_1e3():
     leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
     out64, *_ = oracle(*leaves, order=2.0, causal=False, scale=0.125, mask=None)
     for name, got, want in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(out64, leaves, dout.double())):
-        assert_close_to_oracle(got, want, atol=0, rtol=1e-3, name=name)
+        # dk here is ~1e-5, subnormal in fp16: its output rounds by up to 2^-25 (H100 at 0bbe7ec: 2.98e-8 off)
+        assert_close_to_oracle(got, want, atol=2.0**-25, rtol=1e-3, name=name)
 
 
 @pytest.mark.parametrize("order", [2.0, 2.5, 4.0])
