@@ -14,7 +14,7 @@ import torch
 
 import hf_attention_backends  # noqa: F401  (imported at collection, not inside the first test's timing)
 from benchmarks import (ab_csv, ptxas_report, race_sink_study, registry, report, run, sass_report, stieltjes_fused_start,
-                        stieltjes_real_rows, stieltjes_solver, timing)
+                        stieltjes_p_parts, stieltjes_real_rows, stieltjes_solver, timing)
 from benchmarks.registry import Case, Provider
 from hf_attention_backends import make_planes, race_attention
 from hf_attention_backends.ops.stieltjes.reference import solve_lambda
@@ -827,3 +827,9 @@ def test_race_transfer_study_training_lowers_the_error(objective):
     assert curve[-1]["train"] < 0.8 * curve[0]["train"]
     with pytest.raises(ValueError, match="objective='l1' is not supported"):
         rts.transfer(model.model.layers[0].self_attn, data, 0, "l1", 1, 1e-3, torch.arange(6), torch.arange(6, 8))
+
+
+def test_stieltjes_p_parts_study_two_parts_keep_the_output_at_its_rounding():
+    e = stieltjes_p_parts.errors(1024, 1.0, rows=64)
+    assert e["two"] < 1e-4 < e["one"]  # the residual part carries P's bits past bf16's 8
+    assert e["two rounded"] <= e["rounding"] * (1 + 1e-6) < e["one rounded"]
