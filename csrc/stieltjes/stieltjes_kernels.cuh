@@ -26,9 +26,9 @@
 // Products whose left operand is computed in fp32 (P, dS) are split into a 16-bit high part and a 16-bit
 // residual (two mma), so the fp32 value enters the product to ~2^-16 relative instead of 2^-8 (bf16). In fp16 that
 // holds only in its normal range: a long flat row's P ~ 1/N falls below it, so the forward's P and R enter times
-// 2^15 (kPUnit), the dq kernel's dS per row times lambda^(order+1) and the dkv kernel's P / sum P times a power of
-// two, its dS (summed over rows, for dk) times a running power of two per warp (to_running_unit; all undone in the
-// result).
+// 2^15 (kPUnit), as does the dkv kernel's P / sum P (also in [0, 1]), the dq kernel's dS per row times
+// lambda^(order+1), the dkv kernel's dS (summed over rows, for dk) times a running power of two per warp
+// (to_running_unit; all undone in the result).
 #pragma once
 
 #include <cstdint>
@@ -245,10 +245,10 @@ __device__ __forceinline__ void mma_xb(float (&acc)[D / 8][4], const float (&x)[
   }
 }
 
-// P = y^-order and R = y^(-order-1) lie in [0, 1] (y >= lam >= 1); the forward's P V and R V products take them times
-// 2^15 (exact; out = o / l and u do not change): a long flat row's P ~ 1/N (R ~ 1/(N lam)) would sit below fp16's
-// normal range, where their 16-bit parts keep a few bits (out 1e-3 off at N 65,536); scaled, every value above 2^-29
-// is normal, and none exceeds fp16's max.
+// P = y^-order and R = y^(-order-1) lie in [0, 1] (y >= lam >= 1), as does P / sum P; the forward's P V and R V
+// products and the dkv kernel's dv product take them times 2^15 (exact; undone in the result): a long flat row's
+// P ~ 1/N (R ~ 1/(N lam)) would sit below fp16's normal range, where their 16-bit parts keep a few bits (out 1e-3 off
+// at N 65,536); scaled, every value above 2^-29 is normal, and none exceeds fp16's max.
 constexpr float kPUnit = 32768.f;
 
 // fp16 only (bf16 has fp32's range): x, a left operand of mma_xb summed over many products into acc, enters times a
@@ -266,7 +266,8 @@ __device__ __forceinline__ void to_running_unit(float (&x)[NT][4], float (&acc)[
       for (int k = 0; k < 4; ++k) mx = fmaxf(mx, fabsf(x[j][k]));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    const int want = max(kMinUnitExp, 14 - (static_cast<int>(__float_as_uint(mx) >> 23) - 127));  // mx 2^want: [2^14, 2^15)
+    // mx 2^want in [2^14, 2^15): 14 minus mx's unbiased exponent
+    const int want = max(kMinUnitExp, 14 - (static_cast<int>(__float_as_uint(mx) >> 23) - 127));
     if (want < e) {  // warp-uniform
       const float f = ldexpf(1.f, want - e);
 #pragma unroll
@@ -753,12 +754,6 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
   const T* k = static_cast<const T*>(p.k) + b * p.sk.b + kvh * p.sk.h;
   const T* v = static_cast<const T*>(p.v) + b * p.sv.b + kvh * p.sv.h;
 
-  // dv's P / sum P enters its product times 2^min(15, floor(log2 nk)) (exact; undone at the store): a long flat
-  // row's P ~ 1/nk would sit below fp16's normal range; P / sum P <= 1 keeps it under fp16's max
-  int nk_exp;
-  frexpf(static_cast<float>(max(p.nk, 1)), &nk_exp);
-  const float dv_unit = ldexpf(1.f, min(15, nk_exp - 1));
-
   load_rows(sm.k, k, p.sk.n, k0, p.nk);
   load_rows(sm.v, v, p.sv.n, k0, p.nk);
   const int key[2] = {k0 + kr0 + g, k0 + kr0 + g + 8};
@@ -784,7 +779,7 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
       const bool in = i < p.nq;
       const float m = in ? p.rowmax[row_base + i] : 0.f, lam = in ? p.lam[row_base + i] : 1.f;
       const float l = in ? p.lsum[row_base + i] : 0.f;
-      sm.rows[buf][cq] = make_float4(lam - (-m), l > 0.f ? dv_unit / l : 0.f, in ? p.delta[row_base + i] : 0.f, 0.f);
+      sm.rows[buf][cq] = make_float4(lam - (-m), l > 0.f ? kPUnit / l : 0.f, in ? p.delta[row_base + i] : 0.f, 0.f);
     }
   };
   if (tiles > 0) issue(0);
@@ -832,7 +827,7 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
     }
   }
 
-  const float inv_dv_unit = 1.f / dv_unit, dk_f = ldexpf(p.scale, -dk_exp);
+  const float dk_f = ldexpf(p.scale, -dk_exp);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     if (key[r] >= p.nk) continue;
@@ -844,7 +839,7 @@ __global__ void __launch_bounds__(kThreads, DkvCfg<D>::kMinBlocks) stieltjes_dkv
       *reinterpret_cast<unsigned*>(dkr + 8 * dt + c) =
           Pair<T>::from_float2(make_float2(dk[dt][2 * r] * dk_f, dk[dt][2 * r + 1] * dk_f));
       *reinterpret_cast<unsigned*>(dvr + 8 * dt + c) =
-          Pair<T>::from_float2(make_float2(dv[dt][2 * r] * inv_dv_unit, dv[dt][2 * r + 1] * inv_dv_unit));
+          Pair<T>::from_float2(make_float2(dv[dt][2 * r] * (1.f / kPUnit), dv[dt][2 * r + 1] * (1.f / kPUnit)));
     }
   }
 }
