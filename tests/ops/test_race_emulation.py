@@ -43,11 +43,11 @@ def emulated(lib):
 
 def check(lib, b, hq, hkv, nq, nk, d, *, causal, dtype=torch.float16, tables=4, planes_per_table=4, mask=None,
           v_scale=None, beta_mult=1.0):
-    """v_scale: a factor per key (Nk,) that v is multiplied by (in float32, before the cast to dtype). Returns out and
-    the gradients."""
+    """v_scale: a factor per key (Nk,) or per element (Nk, D) that v is multiplied by (in float32, before the cast to
+    dtype). Returns out and the gradients."""
     q, k, v = cpu_inputs(b, hq, hkv, nq, nk, d, dtype=dtype)
     if v_scale is not None:
-        v = (v.float() * v_scale[:, None]).to(dtype)
+        v = (v.float() * (v_scale if v_scale.dim() == 2 else v_scale[:, None])).to(dtype)
     planes = make_planes(tables, planes_per_table, d, device="cpu")
     return check_against_oracle(q, k, v, planes, per_head_beta(hq, d, mult=beta_mult, device="cpu"), causal=causal,
                                 mask=mask, run=emulated(lib))
@@ -111,6 +111,17 @@ def test_key_state_exponents_of_bfloat16_values(emulator, factors, nk, causal):
     # in the per-warp out kernel's chunk products and running state (stage_warp_state's exponents per warp)
     per_block = torch.tensor(factors, dtype=torch.float32)[torch.arange(nk) // 16 % len(factors)]
     check(emulator, 1, 2, 1, 90, nk, 64, causal=causal, dtype=torch.bfloat16, v_scale=per_block)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("column", [0, 1])
+def test_key_state_exponent_of_a_spike_in_one_column(emulator, column, causal):
+    # the largest |v| of each warp's 16 rows in one column (1: the high half of the 32-bit words that the exponent's
+    # max reads two at a time), 3e5 among values of 1e-3: an exponent from the other columns would overflow fp16
+    nk = 150
+    v_scale = torch.full((nk, 64), 1e-3)
+    v_scale[::16, column] = 3e5
+    check(emulator, 1, 2, 1, 90, nk, 64, causal=causal, dtype=torch.bfloat16, v_scale=v_scale)
 
 
 @pytest.mark.parametrize("beta_mult", [0.05, 8.0])
