@@ -7,8 +7,9 @@
 # RECIPE: configs/finetune/<name>.yaml. Each NAME runs `$LAUNCH finetune/train.py --config RECIPE <its --set
 # flags>` with output_dir runs/NAME; after the runs (or LIMIT seconds, default 540) $OUT/finetune-<first
 # NAME>.tgz holds each run's log.csv, log.jsonl, summary.json, calibration.json, curves.png and stdout
-# (NAME.out). LAUNCH defaults to python3 (one process); e.g. LAUNCH="accelerate launch --config_file
-# configs/accelerate/multi_gpu.yaml" for DDP. BUILD=0 skips the CUDA build. The models come from
+# (NAME.out); until then they are copied into $OUT as NAME_log.csv etc. every 5 s, so a device call that ends
+# first (its budget, its time limit) still returns the evaluations logged so far. LAUNCH defaults to python3 (one
+# process); e.g. LAUNCH="accelerate launch --config_file configs/accelerate/multi_gpu.yaml" for DDP. BUILD=0 skips the CUDA build. The models come from
 # scripts/device_assets.sh (join / minilm) sourced by the caller before this script.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -42,15 +43,24 @@ while (( $# )); do
     pids+=($!) names+=("$name")
     echo "started $name: $flags"
 done
+LOGS=(log.csv log.jsonl summary.json calibration.json curves.png)
+copy_logs() {  # every poll: a device call cut short still returns what the runs logged ($OUT/NAME_log.csv, ...)
+    local name f
+    for name in "${names[@]}"; do
+        for f in "${LOGS[@]}"; do [[ -f runs/$name/$f ]] && cp "runs/$name/$f" "$OUT/${name}_$f"; done
+    done
+}
 deadline=$((SECONDS + LIMIT))
-while (( SECONDS < deadline )) && pgrep -f "finetune/train.py --config $recipe --output-dir runs/" >/dev/null; do sleep 5; done
+while (( SECONDS < deadline )) && pgrep -f "finetune/train.py --config $recipe --output-dir runs/" >/dev/null; do
+    copy_logs
+    sleep 5
+done
 for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
 wait
+copy_logs
 files=()
 for name in "${names[@]}"; do
-    for f in log.csv log.jsonl summary.json calibration.json curves.png; do
-        [[ -f runs/$name/$f ]] && cp "runs/$name/$f" "$OUT/${name}_$f" && files+=("${name}_$f")
-    done
+    for f in "${LOGS[@]}"; do [[ -f $OUT/${name}_$f ]] && files+=("${name}_$f"); done
     files+=("$name.out")
     echo "== $name"; grep -E '"final"|ppl|cosine' "runs/$name/summary.json" 2>/dev/null | head -5; tail -3 "$OUT/$name.out"
 done
