@@ -5,17 +5,19 @@
 #   OUT=/path LIMIT=540 bash scripts/finetune_device.sh RECIPE NAME "--set k=v ..." [NAME "--set ..."]...
 #
 # RECIPE: configs/finetune/<name>.yaml. Each NAME runs `$LAUNCH finetune/train.py --config RECIPE <its --set
-# flags>` with output_dir runs/NAME; after the runs (or LIMIT seconds, default 540) $OUT/finetune-<first
-# NAME>.tgz holds each run's log.csv, log.jsonl, summary.json, calibration.json, curves.png and stdout
-# (NAME.out); until then they are copied into $OUT as NAME_log.csv etc. every 5 s, so a device call that ends
+# flags>` with output_dir $RUNS/NAME (RUNS: default runs); after the runs (or LIMIT seconds, default 540)
+# $OUT/finetune-<first NAME>.tgz holds each run's log.csv, log.jsonl, summary.json, calibration.json, curves.png and
+# stdout (NAME.out); until then they are copied into $OUT as NAME_log.csv etc. every 5 s, so a device call that ends
 # first (its budget, its time limit) still returns the evaluations logged so far. LAUNCH defaults to python3 (one
-# process); e.g. LAUNCH="accelerate launch --config_file configs/accelerate/multi_gpu.yaml" for DDP. BUILD=0 skips the CUDA build. The models come from
-# scripts/device_assets.sh (join / minilm) sourced by the caller before this script.
+# process); e.g. LAUNCH="accelerate launch --config_file configs/accelerate/multi_gpu.yaml" for DDP. BUILD=0 skips
+# the CUDA build. The models come from scripts/device_assets.sh (join / minilm) sourced by the caller before this
+# script.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 OUT=${OUT:-$PWD/finetune_out}
 LIMIT=${LIMIT:-540}
 LAUNCH=${LAUNCH:-python3}
+RUNS=${RUNS:-runs}
 mkdir -p "$OUT"
 if (( $# < 3 || ($# - 1) % 2 )); then
     echo "usage: scripts/finetune_device.sh RECIPE NAME \"--set k=v ...\" [NAME \"...\"]..." >&2
@@ -39,7 +41,7 @@ pids=() names=()
 while (( $# )); do
     name=$1 flags=$2; shift 2
     # shellcheck disable=SC2086  # the flags are meant to split
-    $LAUNCH finetune/train.py --config "$recipe" --output-dir "runs/$name" $flags >"$OUT/$name.out" 2>&1 &
+    $LAUNCH finetune/train.py --config "$recipe" --output-dir "$RUNS/$name" $flags >"$OUT/$name.out" 2>&1 &
     pids+=($!) names+=("$name")
     echo "started $name: $flags"
 done
@@ -47,11 +49,11 @@ LOGS=(log.csv log.jsonl summary.json calibration.json curves.png)
 copy_logs() {  # every poll: a device call cut short still returns what the runs logged ($OUT/NAME_log.csv, ...)
     local name f
     for name in "${names[@]}"; do
-        for f in "${LOGS[@]}"; do [[ -f runs/$name/$f ]] && cp "runs/$name/$f" "$OUT/${name}_$f"; done
+        for f in "${LOGS[@]}"; do [[ -f $RUNS/$name/$f ]] && cp "$RUNS/$name/$f" "$OUT/${name}_$f"; done
     done
 }
 deadline=$((SECONDS + LIMIT))
-while (( SECONDS < deadline )) && pgrep -f "finetune/train.py --config $recipe --output-dir runs/" >/dev/null; do
+while (( SECONDS < deadline )) && pgrep -f "finetune/train.py --config $recipe --output-dir $RUNS/" >/dev/null; do
     copy_logs
     sleep 5
 done
@@ -62,6 +64,6 @@ files=()
 for name in "${names[@]}"; do
     for f in "${LOGS[@]}"; do [[ -f $OUT/${name}_$f ]] && files+=("${name}_$f"); done
     files+=("$name.out")
-    echo "== $name"; grep -E '"final"|ppl|cosine' "runs/$name/summary.json" 2>/dev/null | head -5; tail -3 "$OUT/$name.out"
+    echo "== $name"; grep -E '"final"|ppl|cosine' "$RUNS/$name/summary.json" 2>/dev/null | head -5; tail -3 "$OUT/$name.out"
 done
 tar -C "$OUT" -czf "$OUT/finetune-${names[0]}.tgz" "${files[@]}" && (cd "$OUT" && rm -f "${files[@]}")

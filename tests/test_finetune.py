@@ -1,8 +1,10 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -841,3 +843,27 @@ def test_compare_window_averages_training_rows_per_stage(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compare.main([str(a), str(swapped), "--window", "0"])
     capsys.readouterr()
+
+
+def test_finetune_device_script_returns_the_logs_of_a_run_cut_short(tmp_path):
+    """scripts/finetune_device.sh copies each run's logs into $OUT while it trains, so a device call that ends before
+    the runs do (its budget or time limit) still returns the steps logged so far: here the script and its run are
+    killed in the fine-tune stage of a recipe far longer than the wait."""
+    out, name = tmp_path / "out", "cut"
+    env = {**os.environ, "OUT": str(out), "RUNS": str(tmp_path / "runs"), "LIMIT": "600", "BUILD": "0",
+           "LAUNCH": sys.executable, "PYTHONPATH": str(ROOT),
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    script = ROOT / "scripts" / "finetune_device.sh"
+    proc = subprocess.Popen(["bash", str(script), str(SMOKE), name, "--set fine_tune.steps=100000"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = out / f"{name}_log.csv"
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None and not (
+                log.exists() and ",fine_tune," in log.read_text()):
+            time.sleep(1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert log.exists(), (out / f"{name}.out").read_text()[-2000:]
+    assert ",fine_tune," in log.read_text() and not (out / f"finetune-{name}.tgz").exists()
