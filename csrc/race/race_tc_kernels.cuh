@@ -650,9 +650,10 @@ __device__ __forceinline__ int warp_rows_to_half(T* xv) {
   } else {
     constexpr int kPer = 16 * D / 8 / 32;  // 16-byte chunks per lane
     const int lane = threadIdx.x % 32, r0 = (threadIdx.x / 32) * 16;
+    static_assert(std::is_same_v<T, __nv_bfloat16>, "16-bit rows: fp16 or bf16");
     uint4 val[kPer];
     uint4* chunk[kPer];
-    float m = 0.f;
+    __nv_bfloat162 m2 = __float2bfloat162_rn(0.f);  // the largest |v| of each half, in bf16 pairs (exact, as fmaxf)
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int c = lane + 32 * i, r = r0 + c / (D / 8);
@@ -660,12 +661,9 @@ __device__ __forceinline__ int warp_rows_to_half(T* xv) {
       val[i] = *chunk[i];
       const uint32_t words[4] = {val[i].x, val[i].y, val[i].z, val[i].w};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 x = mma::unpack2<T>(words[j]);
-        m = fmaxf(m, fmaxf(fabsf(x.x), fabsf(x.y)));
-      }
+      for (int j = 0; j < 4; ++j) m2 = __hmax2(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&words[j])));
     }
-    const int e = v_exponent(warp_fmax(m));
+    const int e = v_exponent(warp_fmax(fmaxf(__low2float(m2), __high2float(m2))));
     const auto store = [&](const auto& half_word) {
 #pragma unroll
       for (int i = 0; i < kPer; ++i)
