@@ -165,6 +165,20 @@ __device__ __forceinline__ void rows_dot(const T* a, const T* b, float (&acc)[kC
   }
 }
 
+// The powers of two that put the largest |x| of each of a fragment's two rows (g and g + 8: half 0, 1) in [1, 2), and
+// their inverses; mx: this lane's part of each row's max (the quad's lanes share a row: their max is taken here).
+// Exact scalings, so that a row of tiny values keeps its bits in fp16 halves.
+__device__ __forceinline__ void row_pow2_scales(float (&mx)[2], float (&scale)[2], float (&unscale)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+    mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+    const int ex = mx[half] > 0.f ? max(ilogbf(mx[half]), -126) : 0;  // row max * 2^-ex in [1, 2)
+    scale[half] = ldexpf(1.f, -ex);
+    unscale[half] = ldexpf(1.f, ex);
+  }
+}
+
 // acc[n] (0 on entry) = x b for the n-tiles n < ncount. x: the warp's 16 rows x 64 columns in the C layout, scaled
 // per row by a power of two (row max in [1, 2), exact, undone at the end: a tiny row keeps its bits in fp16) and
 // split in two T halves, reused as A registers; b: a 16-bit tile [8 n + .][kT] (k = x's columns), either exact in T
@@ -179,14 +193,7 @@ __device__ __forceinline__ void split_product(const float (&x)[kC / 8][4], const
 #pragma unroll
     for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], fabsf(x[n][e]));
   float scale[2], unscale[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
-    mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
-    const int ex = mx[half] > 0.f ? max(ilogbf(mx[half]), -126) : 0;  // row max * 2^-ex in [1, 2)
-    scale[half] = ldexpf(1.f, -ex);
-    unscale[half] = ldexpf(1.f, ex);
-  }
+  row_pow2_scales(mx, scale, unscale);
 #pragma unroll
   for (int kk = 0; kk < kC / 16; ++kk) {
     uint32_t hi[4], lo[4];
@@ -212,7 +219,7 @@ __device__ __forceinline__ void split_product(const float (&x)[kC / 8][4], const
 }
 
 // The warp's rows of a tile (rows 16 warp + rr, rr < kWarpRows): the rows of its mma fragments, so that each warp
-// takes its own rows from dphi to dq (dk) with no block barrier between (warp_table_w, warp_chain_factors, chain_rows).
+// takes its own rows from dphi to dq (dk) with no block barrier between (warp_table_w, warp_chain_factors, chain_mma).
 constexpr int kWarpRows = kC / (kThreads / 32);
 
 // The per-(row, table, plane) factors of chain_row (race_kernels.cuh), once per row instead of once per lane of
@@ -236,21 +243,74 @@ __device__ __forceinline__ void warp_chain_factors(const Params& p, float beta, 
   __syncwarp();
 }
 
-// chain_row's dx for the warp's rows (16 warp + rr) from warp_chain_factors' da, each plane row loaded once per
-// (table, plane) for all of them. Per row the same products in the same order as chain_row, so the same bits.
-template <int D>
-__device__ __forceinline__ void chain_rows(const Params& p, const float* da, float (&dx)[kWarpRows][D / 32]) {
-  const int lane = threadIdx.x % 32, r0 = (threadIdx.x / 32) * kWarpRows;
-  for (int lt = 0; lt < p.lp; ++lt) {
-    float plane[D / 32];
+// dx (0 on entry) = da W for the warp's 16 rows, on tensor cores: da [row][lt] (warp_chain_factors' rows of the g
+// tile, kGRow floats apart; lt < p.lp), each row scaled by a power of two (row max in [1, 2), undone at the end) and
+// split in two T halves, times the planes W [lt][d] in two T halves (init_constants' s.w: hi rows 0.., lo rows
+// kLPMax..), hi hi + lo hi + hi lo: lt 0..15 in one k16 step, lt 16..23 (p.lp > 16) in a k16 step whose upper half is
+// zero, so that no row past the planes' tiles is read. The C layout: dx[n][2 half + e] is row 16w + g + 8 half,
+// column 8n + 2t + e. ~2^-16 relative (bf16 halves) before the output's rounding; chain_row (race_kernels.cuh) has
+// the fp32 sum.
+template <typename T, int D>
+__device__ __forceinline__ void chain_mma(const Params& p, const T* planes, const float* da, float (&dx)[D / 8][4]) {
+  constexpr int kX = D + 8, kN = D / 8;
+  static_assert(kN % 4 == 0, "whole groups of four n-tiles");
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * kWarpRows;
+  const int steps = p.lp > 16 ? 2 : 1;
+  float a[2][4][2];  // k-step st, A register r: row g + 8 (r % 2), lt 16 st + 8 (r / 2) + 2t + e
+  float mx[2] = {0.f, 0.f};
 #pragma unroll
-    for (int c = 0; c < D / 32; ++c) plane[c] = __ldg(p.planes + lt * D + lane + 32 * c);
-    const float* col = da + r0 * kGRow + lt;
+  for (int st = 0; st < 2; ++st)
 #pragma unroll
-    for (int rr = 0; rr < kWarpRows; ++rr)
+    for (int r = 0; r < 4; ++r)
 #pragma unroll
-      for (int c = 0; c < D / 32; ++c) dx[rr][c] = fmaf(col[rr * kGRow], plane[c], dx[rr][c]);
+      for (int e = 0; e < 2; ++e) {
+        const int lt = 16 * st + 8 * (r / 2) + 2 * t + e;
+        const bool live = st < steps && (st == 0 || r / 2 == 0) && lt < p.lp;
+        a[st][r][e] = live ? da[(r0 + g + 8 * (r % 2)) * kGRow + lt] : 0.f;
+        mx[r % 2] = fmaxf(mx[r % 2], fabsf(a[st][r][e]));
+      }
+  float scale[2], unscale[2];
+  row_pow2_scales(mx, scale, unscale);
+#pragma unroll
+  for (int st = 0; st < 2; ++st) {
+    if (st >= steps) continue;
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      mma::split2<T>(a[st][r][0] * scale[r % 2], a[st][r][1] * scale[r % 2], hi[r], lo[r]);
+#pragma unroll
+    for (int n0 = 0; n0 < kN; n0 += 4) {  // four n-tiles at a time: 16 B registers, four accumulators between products
+      uint32_t b[2][4][2];                 // [hi, lo][n-tile n0 + j]: W's rows 16 st.. (k), columns 8 (n0 + j).. (n)
+#pragma unroll
+      for (int part = 0; part < 2; ++part) {
+        const T* tile = planes + (part * kLPMax + 16 * st) * kX + 8 * n0;
+        if (st == 0) {
+          mma::for_each_b_trans<4>(tile, kX, 0, lane, [&](int j, const uint32_t (&bj)[2]) {
+            b[part][j][0] = bj[0];
+            b[part][j][1] = bj[1];
+          });
+        } else {  // rows 16..23 only (the step's k rows 24.. are zero in A and B): four n-tiles per ldmatrix.x4.trans
+          uint32_t r4[4];
+          mma::ldsm_x4_trans(r4, tile + (lane & 7) * kX + 8 * (lane >> 3));
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            b[part][j][0] = r4[j];
+            b[part][j][1] = 0u;
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma::m16n8k16(dx[n0 + j], hi, b[0][j], T{});
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma::m16n8k16(dx[n0 + j], lo, b[0][j], T{});
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma::m16n8k16(dx[n0 + j], hi, b[1][j], T{});
+    }
   }
+#pragma unroll
+  for (int n = 0; n < kN; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dx[n][e] *= unscale[e / 2];
 }
 
 // table_w for P planes per table and the warp's rows: one pass over each (row, table)'s 2^P values of g sums them
@@ -399,14 +459,16 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
   warp_table_w(p, bt.g, s.sp, s.sm, bt.w);
   warp_chain_factors(p, hd.beta, bt.u, bt.w, s.okq, bt.g, bt.rowpart);  // da into the warp's g rows (read above)
   T* dq = static_cast<T*>(p.out) + hd.bh * p.nq * D;
-  float dx[kWarpRows][D / 32] = {};
-  chain_rows<D>(p, bt.g, dx);
+  float dx[D / 8][4] = {};
+  chain_mma<T, D>(p, s.w, bt.g, dx);
 #pragma unroll
-  for (int rr = 0; rr < kWarpRows; ++rr) {
-    const int i = m * kC + r0 + rr;
+  for (int half = 0; half < 2; ++half) {
+    const int i = m * kC + r0 + g + 8 * half;
     if (i < p.nq) {
 #pragma unroll
-      for (int c = 0; c < D / 32; ++c) dq[(long long)i * D + lane + 32 * c] = from_float<T>(dx[rr][c]);
+      for (int n = 0; n < D / 8; ++n)
+        *reinterpret_cast<uint32_t*>(dq + (long long)i * D + n * 8 + 2 * t) =
+            mma::pack2<T>(dx[n][2 * half], dx[n][2 * half + 1]);
     }
   }
   __syncthreads();
@@ -675,15 +737,17 @@ __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_
   warp_table_w(p, kt.g, kt.spk, kt.smk, kt.w);
   warp_chain_factors(p, hd.beta, kt.u, kt.w, s.okk, kt.g, kt.rowpart);  // da into the warp's g rows (read above)
   T* dk = static_cast<T*>(p.dk);
-  float dx[kWarpRows][D / 32] = {};
-  chain_rows<D>(p, kt.g, dx);
+  float dx[D / 8][4] = {};
+  chain_mma<T, D>(p, s.w, kt.g, dx);
 #pragma unroll
-  for (int rr = 0; rr < kWarpRows; ++rr) {
-    const int j = key0 + r0 + rr;
-    if (j >= 0 && j < p.nk) {
+  for (int half = 0; half < 2; ++half) {
+    const int j = key0 + r0 + g + 8 * half;
+    if (j < 0 || j >= p.nk) continue;
 #pragma unroll
-      for (int c = 0; c < D / 32; ++c)
-        add_head<T>(p, g_head, p.dk_scratch, dk, row0 + (long long)j * D + lane + 32 * c, dx[rr][c]);
+    for (int n = 0; n < D / 8; ++n) {
+      const long long idx = row0 + (long long)j * D + n * 8 + 2 * t;
+      add_head<T>(p, g_head, p.dk_scratch, dk, idx, dx[n][2 * half]);
+      add_head<T>(p, g_head, p.dk_scratch, dk, idx + 1, dx[n][2 * half + 1]);
     }
   }
   __syncthreads();
@@ -753,7 +817,7 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dkv_bwd_kernel(const P
       key_side_chunk<T, D>(p, hd, b, kappa, m >= 0, s, kt);
       chunk_dkv<T, D, PHI_TILE>(p, hd, kappa, gh, m >= 0, s, kt);
       if (m < 0 || kappa == first) continue;
-      if constexpr (PHI_TILE) {  // tile m's fp32 phi(q) into the g storage (read last by chain_rows, before a barrier)
+      if constexpr (PHI_TILE) {  // tile m's fp32 phi(q) into the g storage (read last by chain_mma, before a barrier)
         features<T>(p, s.okq, s.sp, s.sm, nullptr, nullptr, kt.g);
         __syncthreads();
       }
