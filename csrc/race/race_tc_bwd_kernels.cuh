@@ -351,9 +351,59 @@ __device__ __forceinline__ void warp_table_w(const Params& p, const float* g, co
   dispatch_planes(p, [&](auto planes) { warp_table_w_p<decltype(planes)::value>(p, g, sp, sm, w); });
 }
 
+// Whether tile_num_fp32 takes the chunk's scores on T operands (scores_split) instead of tf32 halves: for bf16 inputs,
+// whose phi(k) is already two bf16 halves in pkt (16 bits) and whose scores enter num as two bf16 halves
+// (masked_scores_times_v); bf16 keeps fp32's exponent range, where fp16 halves of phi(q) (products of up to six
+// sigmoids) would flush a sharp row's small features.
+template <typename T>
+constexpr bool kSplitScores = std::is_same_v<T, __nv_bfloat16>;
+
+// sc[n] += phi(q) phi(k)^T for the warp's 16 query rows and the chunk's keys 8n.., on T operands: phi(q) in fp32 (the
+// phi tile, or rebuilt from the sigma tables: the same values) split in two T halves, phi(k) = pkt's hi and lo halves
+// ([feature][key], by ldmatrix.trans); hi hi + lo hi + hi lo per k16 step, four n-tiles at a time.
+template <typename T, int D, bool PHI_TILE>
+__device__ __forceinline__ void scores_split(const Params& p, const Tiles<T, D>& s, const float* phi32,
+                                             float (&sc)[kC / 8][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+  const int steps = (p.features + 15) / 16;  // pkt rows past S are 0 (features), phi(q) there too
+#pragma unroll
+  for (int kk = 0; kk < kS / 16; ++kk) {
+    if (kk >= steps) continue;
+    uint32_t hi[4], lo[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // A register r: row g + 8 (r % 2), features 16 kk + 8 (r / 2) + 2t + {0, 1}
+      const int row = r0 + g + 8 * (r % 2), f = kk * 16 + 8 * (r / 2) + 2 * t;
+      float x[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if constexpr (PHI_TILE) x[e] = phi32[row * (kS + 1) + f + e];
+        else x[e] = f + e < p.features && s.okq[row] ? phi_at(p, s.sp, s.sm, row, f + e) : 0.f;
+      }
+      mma::split2<T>(x[0], x[1], hi[r], lo[r]);
+    }
+#pragma unroll
+    for (int n0 = 0; n0 < kC / 8; n0 += 4) {
+      uint32_t b[2][4][2];  // [hi, lo][n-tile n0 + j]
+#pragma unroll
+      for (int part = 0; part < 2; ++part)
+        mma::for_each_b_trans<4>(s.pkt + part * kS * kT + 8 * n0, kT, kk * 16, lane, [&](int j, const uint32_t (&bj)[2]) {
+          b[part][j][0] = bj[0];
+          b[part][j][1] = bj[1];
+        });
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma::m16n8k16(sc[n0 + j], hi, b[0][j], T{});
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma::m16n8k16(sc[n0 + j], lo, b[0][j], T{});
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma::m16n8k16(sc[n0 + j], hi, b[1][j], T{});
+    }
+  }
+}
+
 // [num, den] of one query tile as tile_num computes them, with fp32-accurate products: phi(q) in fp32 from the
 // sigma tables, the state and (when `intra`) phi(k) = pkt hi + lo, each in two tf32 halves (hi hi + hi lo +
-// lo hi), then the masked scores in two T halves times [v, 1] as in tile_num. c^ = dO . num / den must match
+// lo hi; bf16 inputs: the scores on bf16 halves, scores_split), then the masked scores in two T halves times [v, 1]
+// as in tile_num. c^ = dO . num / den must match
 // the fp32 phi(q), phi(k) and state that dphi(q) and the key side (race_dkv_bwd_kernel, fp32) use: the
 // forward's fp16 phi(q) and tf32 state leave c^ ~1e-4 relative off, far above the dbeta tolerance.
 template <typename T, int D, bool PHI_TILE = false>
@@ -377,7 +427,7 @@ __device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>
       state_frag(s.st, kX, kk, n, bhi, blo);
       mma::mma_tf32x3(acc[n], qhi, qlo, bhi, blo);
     }
-    if (!intra) continue;
+    if (!intra || kSplitScores<T>) continue;
 #pragma unroll
     for (int n = 0; n < kC / 8; ++n) {  // B register e: feature kk * 8 + t + 4 e, key n * 8 + g
       const T* k0 = s.pkt + (kk * 8 + t) * kT + n * 8 + g;
@@ -386,6 +436,9 @@ __device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>
       mma::tf32_split(to_float(k0[4 * kT]) + to_float(k0[(kS + 4) * kT]), bhi[1], blo[1]);
       mma::mma_tf32x3(sc[n], qhi, qlo, bhi, blo);
     }
+  }
+  if constexpr (kSplitScores<T>) {
+    if (intra) scores_split<T, D, PHI_TILE>(p, s, phi32, sc);
   }
   if (intra) masked_scores_times_v<T, D>(s, sc, acc);
 }
