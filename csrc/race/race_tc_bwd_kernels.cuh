@@ -243,6 +243,19 @@ __device__ __forceinline__ void warp_chain_factors(const Params& p, float beta, 
   __syncwarp();
 }
 
+// acc[n0 + j] += a b for four n-tiles with a = hi + lo and b = b[0] + b[1] in two T halves each: hi b[0] + lo b[0] +
+// hi b[1] (lo b[1] dropped), each product four accumulators after the previous one into the same tile.
+template <typename T, int NN>
+__device__ __forceinline__ void halves_product4(float (&acc)[NN][4], int n0, const uint32_t (&hi)[4],
+                                                const uint32_t (&lo)[4], const uint32_t (&b)[2][4][2]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) mma::m16n8k16(acc[n0 + j], hi, b[0][j], T{});
+#pragma unroll
+  for (int j = 0; j < 4; ++j) mma::m16n8k16(acc[n0 + j], lo, b[0][j], T{});
+#pragma unroll
+  for (int j = 0; j < 4; ++j) mma::m16n8k16(acc[n0 + j], hi, b[1][j], T{});
+}
+
 // dx (0 on entry) = da W for the warp's 16 rows, on tensor cores: da [row][lt] (warp_chain_factors' rows of the g
 // tile, kGRow floats apart; lt < p.lp), each row scaled by a power of two (row max in [1, 2), undone at the end) and
 // split in two T halves, times the planes W [lt][d] in two T halves (init_constants' s.w: hi rows 0.., lo rows
@@ -299,12 +312,7 @@ __device__ __forceinline__ void chain_mma(const Params& p, const T* planes, cons
           }
         }
       }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mma::m16n8k16(dx[n0 + j], hi, b[0][j], T{});
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mma::m16n8k16(dx[n0 + j], lo, b[0][j], T{});
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mma::m16n8k16(dx[n0 + j], hi, b[1][j], T{});
+      halves_product4<T>(dx, n0, hi, lo, b);
     }
   }
 #pragma unroll
@@ -390,12 +398,7 @@ __device__ __forceinline__ void scores_split(const Params& p, const Tiles<T, D>&
           b[part][j][0] = bj[0];
           b[part][j][1] = bj[1];
         });
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mma::m16n8k16(sc[n0 + j], hi, b[0][j], T{});
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mma::m16n8k16(sc[n0 + j], lo, b[0][j], T{});
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mma::m16n8k16(sc[n0 + j], hi, b[1][j], T{});
+      halves_product4<T>(sc, n0, hi, lo, b);
     }
   }
 }
