@@ -696,6 +696,25 @@ __device__ __forceinline__ void add_head(const Params& p, int g, float* scratch,
   else scratch[idx] = x;
 }
 
+// add_head for the warp's 16 key rows of a [key][D] gradient (dk, dv) held in the C layout (acc[n][2 half + e]: key
+// key0 + 16w + g + 8 half, column 8n + 2t + e); rows outside [0, Nk) are skipped. row0: the (b, kv head) offset.
+template <typename T, int D>
+__device__ __forceinline__ void store_key_rows(const Params& p, int g_head, float* scratch, T* out, long long row0,
+                                               int key0, const float (&acc)[D / 8][4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int j = key0 + r0 + g + 8 * half;
+    if (j < 0 || j >= p.nk) continue;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const long long idx = row0 + (long long)j * D + n * 8 + 2 * t;
+      add_head<T>(p, g_head, scratch, out, idx, acc[n][2 * half]);
+      add_head<T>(p, g_head, scratch, out, idx + 1, acc[n][2 * half + 1]);
+    }
+  }
+}
+
 // dv, dk and the dbeta partial of key chunk kappa for q head g of the group (with `intra`, chunk kappa holds the
 // diagonal of query tile m = kappa - kappa0, loaded by key_side_query_tile). st holds [B, y] of the query tiles
 // after m (non-causal: all). With j the chunk's keys, i the tile's queries (j <= i: the shared diagonal):
@@ -717,8 +736,11 @@ __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_
   const int nf = (p.features + 7) / 8;  // feature tiles that are not all zero
   const int key0 = p.s0 + kappa * kC;
   const long long row0 = hd.bh / p.groups * p.nk * D;  // (b, kv head) of dk, dv: (b Hq + h) / groups
+  // D <= 64: dv is stored after the dphi(k) products are issued, so that its roundings and stores do not wait on
+  // its last products (at D = 128 its 64 accumulators would not stay live beside them)
+  constexpr bool kDeferDv = D <= 64;
+  float dv[D / 8][4] = {};
   {
-    float dv[D / 8][4] = {};
     if (intra) {
       float sc[kC / 8][4] = {};  // a_ji: the warp's keys x the tile's queries
       scores(s.phk, s.phq, sc);
@@ -749,18 +771,7 @@ __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_
         mma::mma_tf32x3(dv[n], khi, klo, bhi, blo);
       }
     }
-    T* out = static_cast<T*>(p.dv);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int j = key0 + r0 + g + 8 * half;
-      if (j < 0 || j >= p.nk) continue;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        const long long idx = row0 + (long long)j * D + n * 8 + 2 * t;
-        add_head<T>(p, g_head, p.dv_scratch, out, idx, dv[n][2 * half]);
-        add_head<T>(p, g_head, p.dv_scratch, out, idx + 1, dv[n][2 * half + 1]);
-      }
-    }
+    if constexpr (!kDeferDv) store_key_rows<T, D>(p, g_head, p.dv_scratch, static_cast<T*>(p.dv), row0, key0, dv);
   }
   float dphi[kS / 8][4] = {};
   if (intra) {
@@ -776,6 +787,7 @@ __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_
     split_product<T, kS / 8>(ds, s.pkt, s.pkt + kS * kT, nf, dphi);
   }
   rows_times_state<T, D>(s.x, s.st, nf, dphi);
+  if constexpr (kDeferDv) store_key_rows<T, D>(p, g_head, p.dv_scratch, static_cast<T*>(p.dv), row0, key0, dv);
   __syncthreads();  // every warp is done with the g tile's storage (phq, phk or phi(k)) and with v in x (w's storage)
 #pragma unroll
   for (int n = 0; n < kS / 8; ++n)
@@ -792,20 +804,9 @@ __device__ void chunk_dkv(const Params& p, const Heads<T>& hd, int kappa, int g_
   __syncwarp();  // from here on each warp reads and writes only its own rows
   warp_table_w(p, kt.g, kt.spk, kt.smk, kt.w);
   warp_chain_factors(p, hd.beta, kt.u, kt.w, s.okk, kt.g, kt.rowpart);  // da into the warp's g rows (read above)
-  T* dk = static_cast<T*>(p.dk);
   float dx[D / 8][4] = {};
   chain_mma<T, D>(p, s.w, kt.g, dx);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int j = key0 + r0 + g + 8 * half;
-    if (j < 0 || j >= p.nk) continue;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      const long long idx = row0 + (long long)j * D + n * 8 + 2 * t;
-      add_head<T>(p, g_head, p.dk_scratch, dk, idx, dx[n][2 * half]);
-      add_head<T>(p, g_head, p.dk_scratch, dk, idx + 1, dx[n][2 * half + 1]);
-    }
-  }
+  store_key_rows<T, D>(p, g_head, p.dk_scratch, static_cast<T*>(p.dk), row0, key0, dx);
   __syncthreads();
   if (threadIdx.x == 0) p.dbeta_k[hd.bh * p.nkc + kappa] = ordered_sum64(kt.rowpart);
 }
