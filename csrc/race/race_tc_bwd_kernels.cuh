@@ -697,7 +697,8 @@ __device__ __forceinline__ void add_head(const Params& p, int g, float* scratch,
 }
 
 // add_head for the warp's 16 key rows of a [key][D] gradient (dk, dv) held in the C layout (acc[n][2 half + e]: key
-// key0 + 16w + g + 8 half, column 8n + 2t + e); rows outside [0, Nk) are skipped. row0: the (b, kv head) offset.
+// key0 + 16w + g + 8 half, column 8n + 2t + e); rows outside [0, Nk) are skipped. row0: the (b, kv head) offset
+// (even, as every idx: 4-byte pairs).
 template <typename T, int D>
 __device__ __forceinline__ void store_key_rows(const Params& p, int g_head, float* scratch, T* out, long long row0,
                                                int key0, const float (&acc)[D / 8][4]) {
@@ -709,6 +710,10 @@ __device__ __forceinline__ void store_key_rows(const Params& p, int g_head, floa
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       const long long idx = row0 + (long long)j * D + n * 8 + 2 * t;
+      if (p.groups == 1) {  // no head to add: the pair rounded and stored at once (the same bits as add_head's)
+        *reinterpret_cast<uint32_t*>(out + idx) = mma::pack2<T>(acc[n][2 * half], acc[n][2 * half + 1]);
+        continue;
+      }
       add_head<T>(p, g_head, scratch, out, idx, acc[n][2 * half]);
       add_head<T>(p, g_head, scratch, out, idx + 1, acc[n][2 * half + 1]);
     }
