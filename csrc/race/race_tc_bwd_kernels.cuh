@@ -457,9 +457,14 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, warp = threadIdx.x / 32, r0 = warp * 16;
   const int nf = (p.features + 7) / 8;  // feature n-tiles that are not all zero
   float chat[2], inv[2];
+  // intra: dO v^T, the warp's rows x the chunk's 64 keys; D <= 64 issues it before num is read, so that its products
+  // cover num's last ones (at D = 128 its accumulators beside num's spill)
+  constexpr bool kEarlyDs = D <= 64;
+  float ds[kC / 8][4] = {};
   {
     float acc[kN][4] = {};
     tile_num_fp32<T, D, PHI_TILE>(p, s, intra, acc, bt.g);
+    if (kEarlyDs && intra) rows_dot<T, D>(bt.dO, s.x, ds);
     const int quad = lane & ~3;  // den = column D, held by the quad's t = 0 lane
     const float dens[2] = {__shfl_sync(0xffffffffu, acc[kN - 1][0], quad),
                            __shfl_sync(0xffffffffu, acc[kN - 1][2], quad)};
@@ -486,8 +491,7 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
   }
   float dphi[kS / 8][4] = {};
   if (intra) {
-    float ds[kC / 8][4] = {};  // dO v^T: rows of the warp x the chunk's 64 keys
-    rows_dot<T, D>(bt.dO, s.x, ds);
+    if (!kEarlyDs) rows_dot<T, D>(bt.dO, s.x, ds);
 #pragma unroll
     for (int n = 0; n < kC / 8; ++n)
 #pragma unroll
