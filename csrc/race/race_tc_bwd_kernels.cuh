@@ -446,11 +446,20 @@ __device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>
   if (intra) masked_scores_times_v<T, D>(s, sc, acc);
 }
 
+// Whether tile_dq advances the causal state itself (D <= 64; at D = 128 its registers beside the epilogue's would
+// spill): one barrier per chunk fewer, and advance_state's products beside the epilogue's scalar work.
+template <int D>
+constexpr bool kDqAdvanceInTile = D <= 64;
+
 // dq rows, den, c and the dbeta partial of query tile m. Expects: sp / sm, u, dO of the tile; the state
 // before the tile's chunk in st; when `intra`, the chunk's pkt, vt, okk and v row-major in x. PHI_TILE: also
 // phi(q) in fp32 in the g tile's storage (query_tile's phi32), read where the default rebuilds it from sp / sm.
+// advance (kDqAdvanceInTile<D>): the state in st then takes the chunk's phi(k)^T [v, 1] (advance_state's products and
+// sums), issued once every warp is done reading st and added after the epilogue's scalar work, which reads z from
+// registers.
 template <typename T, int D, bool PHI_TILE = false>
-__device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, Tiles<T, D>& s, BwdTiles<T, D>& bt) {
+__device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, Tiles<T, D>& s, BwdTiles<T, D>& bt,
+                        bool advance = false) {
   constexpr int kX = D + 8;
   constexpr int kN = D / 8 + 1;
   constexpr int kG = BwdTiles<T, D>::kG;
@@ -502,7 +511,15 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
     split_product<T, kS / 8>(ds, s.pkt, s.pkt + kS * kT, nf, dphi);  // phi(k) in T halves
   }
   rows_times_state<T, D>(bt.dO, s.st, nf, dphi);  // dO A^T: dO exact in tf32, A in two tf32 halves
-  __syncthreads();  // every warp is done with phq, phk (the g tile's storage)
+  float z[kS / 8][2];  // z of the lane's features 8n + 2t + e, read before the state may advance
+#pragma unroll
+  for (int n = 0; n < kS / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) z[n][e] = s.st[(n * 8 + 2 * t + e) * kX + D];
+  __syncthreads();  // every warp is done with phq, phk (the g tile's storage) and with reading the state
+  const bool advancing = kDqAdvanceInTile<D> && advance;
+  float delta[D / 8 + 1][4] = {};  // advance_state's products, issued here and added to st after the scalar work
+  if (advancing) state_delta<T, D / 8 + 1>(s.pkt, s.vt, 0, D / 8 + 1, delta);
 #pragma unroll
   for (int n = 0; n < kS / 8; ++n)
 #pragma unroll
@@ -511,13 +528,14 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
       float val = 0.f;
       if (f < p.features && inv[half] > 0.f) {  // PHI_TILE: this thread alone reads phi(q)[r][f], then writes g
         const float phi = PHI_TILE ? bt.g[r * kG + f] : phi_at(p, s.sp, s.sm, r, f);
-        val = (dphi[n][e] - chat[half] * s.st[f * kX + D]) * inv[half] * phi;
+        val = (dphi[n][e] - chat[half] * z[n][e & 1]) * inv[half] * phi;
       }
       bt.g[r * kG + f] = val;
     }
   __syncwarp();  // from here on each warp reads and writes only its own rows
   warp_table_w(p, bt.g, s.sp, s.sm, bt.w);
   warp_chain_factors(p, hd.beta, bt.u, bt.w, s.okq, bt.g, bt.rowpart);  // da into the warp's g rows (read above)
+  if (advancing) add_state_rows<D>(s.st, 0, delta);
   T* dq = static_cast<T*>(p.out) + hd.bh * p.nq * D;
   float dx[D / 8][4] = {};
   chain_mma<T, D>(p, s.w, bt.g, dx);
@@ -568,9 +586,10 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dq_bwd_kernel(const Pa
       query_tile<T, D>(p, hd, m, s, dout, bt.dO, bt.u, phi32);  // after key_chunk: sp, sm keep q's tables
       load_rows<T, D>(hd.v, p.sv.n, p.s0 + kappa * kC, s.okk, s.x);  // v row-major (x is free again)
       __syncthreads();
-      tile_dq<T, D, PHI_TILE>(p, hd, m, true, s, bt);
+      tile_dq<T, D, PHI_TILE>(p, hd, m, true, s, bt, kappa + 1 < end);
     }
     if (kappa + 1 == end) break;
+    if (m >= 0 && kDqAdvanceInTile<D>) continue;  // tile_dq advanced the state
     __syncthreads();  // every warp has read the state
     advance_state<T, D>(s);
   }

@@ -1025,25 +1025,32 @@ __device__ void load_state(const Params& p, long long bh, int slot, Tiles<T, D>&
   load_state<T, D>(p, slot_state(p, bh, slot, D), slot_z(p, bh, slot), s);
 }
 
+// The warp's 16 rows of the state tile st (features 16w.., [feature][D + 8], z in column D) += delta, the C layout of
+// its n-tiles n0 + n < D / 8 + 1.
+template <int D, int NN>
+__device__ __forceinline__ void add_state_rows(float* st, int n0, const float (&delta)[NN][4]) {
+  constexpr int kX = D + 8;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float* row = st + (f0 + g + 8 * half) * kX + 2 * t;
+#pragma unroll
+    for (int n = 0; n < NN; ++n) {
+      if (n0 + n >= D / 8 + 1) continue;
+      row[(n0 + n) * 8] += delta[n][2 * half];
+      row[(n0 + n) * 8 + 1] += delta[n][2 * half + 1];
+    }
+  }
+}
+
 // s.st += phi(k)^T [v, 1] of the chunk in pkt / vt (the caller has a barrier after the last reader of st).
 template <typename T, int D>
 __device__ __forceinline__ void advance_state(Tiles<T, D>& s) {
-  constexpr int kX = D + 8;
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, f0 = (threadIdx.x / 32) * 16;
 #pragma unroll 1
   for (int n0 = 0; n0 < D / 8 + 1; n0 += 4) {  // 4 n-tiles at a time: fewer live registers
     float delta[4][4] = {};
     state_delta<T, 4>(s.pkt, s.vt, n0, D / 8 + 1, delta);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float* row = s.st + (f0 + g + 8 * half) * kX + 2 * t;
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        if (n0 + n >= D / 8 + 1) continue;
-        row[(n0 + n) * 8] += delta[n][2 * half];
-        row[(n0 + n) * 8 + 1] += delta[n][2 * half + 1];
-      }
-    }
+    add_state_rows<D>(s.st, n0, delta);
   }
 }
 
