@@ -26,6 +26,13 @@ def test_the_emulator_shuffles_votes_and_reports_deadlocks(emulator):
     assert emulator.emulation_check_deadlock() == 0
 
 
+def test_the_emulator_fails_a_call_with_misaligned_ldmatrix_or_cp_async_addresses(emulator):
+    assert emulator.emulation_alignment_probe(0) == 0
+    with pytest.raises(AssertionError, match="96 ldmatrix / cp.async operand addresses not 16-byte aligned"):
+        emulator.emulation_alignment_probe(8)
+    assert emulator.emulation_alignment_probe(16) == 0  # the count was taken: a later aligned call passes
+
+
 def emulated(lib):
     """run_kernel for check_against_oracle: the forward, then the backward on the forward's out and lse."""
     def run(q, k, v, dout, *, causal, scale, mask):

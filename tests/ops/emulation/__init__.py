@@ -1,8 +1,8 @@
 """Build and call the CPU emulations of the CUDA kernels (cuda_on_cpu.h, common/ptx.cuh, <backend>_emulation.cpp).
 
 `build(name, tmp_dir)` compiles <name>_emulation.cpp with g++ (this folder first on the include path, so its
-common/ptx.cuh replaces csrc's) and returns the ctypes library; it skips the calling test, with the reason, where
-g++ or the CUDA headers are missing.
+common/ptx.cuh replaces csrc's) and returns the ctypes library, each call checked for misaligned ldmatrix / cp.async
+addresses (`Checked`); it skips the calling test, with the reason, where g++ or the CUDA headers are missing.
 """
 import ctypes
 import glob
@@ -52,7 +52,36 @@ def build(name, tmp_dir, defines=()):
            *(f"-D{d}" for d in defines), sources[0], "-o", lib]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, f"g++ failed:\n{' '.join(cmd)}\n{done.stderr[-4000:]}"
-    return ctypes.CDLL(lib)
+    return Checked(ctypes.CDLL(lib))
+
+
+class Checked:
+    """An emulation library whose every call is followed by its emu_faults(): a call in which a kernel gave ldmatrix or
+    cp.async an address that is not 16-byte aligned (the GPU would fault or read other bytes) fails. Attributes set on
+    a function (argtypes, restype) go to the ctypes function."""
+
+    def __init__(self, lib):
+        self._lib = lib
+
+    def __getattr__(self, name):
+        return _CheckedFunction(self._lib, name)
+
+
+class _CheckedFunction:
+    def __init__(self, lib, name):
+        object.__setattr__(self, "_lib", lib)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_fn", getattr(lib, name))
+
+    def __setattr__(self, key, value):
+        setattr(self._fn, key, value)
+
+    def __call__(self, *args):
+        result = self._fn(*args)
+        faults = self._lib.emu_faults()
+        assert faults == 0, (f"{self._name}: {faults} ldmatrix / cp.async operand addresses not 16-byte aligned (the "
+                             "GPU would fault or read other bytes)")
+        return result
 
 
 def ptr(t):

@@ -37,6 +37,14 @@ inline dim3 gridDim, blockDim;
 
 namespace emu {
 
+// Operand addresses that the GPU requires aligned and this emulation would not notice (ldmatrix row addresses,
+// cp.async source and destination: 16 bytes), counted by common/ptx.cuh; the harness's emu_faults() takes the count
+// after each call, and tests/ops/emulation fails the call's test on any.
+inline int faults = 0;
+inline void require_aligned(const void* p, unsigned bytes) {
+  if (reinterpret_cast<uintptr_t>(p) % bytes != 0) ++faults;
+}
+
 constexpr size_t kStackBytes = 256 * 1024;
 
 struct Barrier {

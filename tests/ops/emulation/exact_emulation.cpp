@@ -3,6 +3,7 @@
 // tensors are contiguous (B, H, N, D) arrays of 16-bit elements, lse (B, Hq, Nq) fp32, mask (B, Nk) bytes or null.
 #include "harness.h"
 
+#include "common/ptx.cuh"  // the emulated PTX (this folder first on the include path): the alignment probe
 #include "exact/exact_kernels.cuh"
 
 namespace {
@@ -103,6 +104,19 @@ int emulation_check_deadlock() {
     __syncthreads();
   });
   return done ? 1 : 0;
+}
+
+// One warp's ldmatrix.x4 (row addresses 16 bytes apart) and one cp.async per lane from a 16-byte aligned buffer plus
+// `offset` bytes: emu_faults() then counts the misaligned addresses (0 for offset 0, 32 + 64 for offset 8).
+int emulation_alignment_probe(int offset) {
+  alignas(16) static unsigned char src[32 * 16 + 16], dst[32 * 16 + 16];
+  const bool done = emu::launch(dim3(1, 1, 1), 32, [offset] {
+    const int lane = threadIdx.x % 32;
+    uint32_t r[4];
+    hfab::mma::ldsm_x4(r, src + offset + 16 * lane);
+    hfab::mma::cp_async16(dst + offset + 16 * lane, src + offset + 16 * lane, true);
+  });
+  return done ? 0 : 2;
 }
 
 }  // extern "C"

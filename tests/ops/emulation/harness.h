@@ -27,3 +27,11 @@ int dispatch(int bf16, int d, Fn&& fn) {
 }
 
 }  // namespace emu
+
+// The misaligned operand addresses counted since the last call (emu::faults), reset: every library has this one
+// translation unit, so the definition lives here.
+extern "C" int emu_faults() {
+  const int n = emu::faults;
+  emu::faults = 0;
+  return n;
+}

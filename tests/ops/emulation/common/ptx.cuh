@@ -84,6 +84,7 @@ inline uint32_t to_tf32(float x) {
 
 // Register i of lane l: the 32-bit word at column pair l % 4 of row l / 4 of matrix i (whose row r lane 8i + r gave).
 inline void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, const void* p) {
+  emu::require_aligned(p, 16);
   const auto rows = emu::gather(static_cast<const unsigned char*>(p));
   const int lane = threadIdx.x % 32;
   uint32_t* out[4] = {&r0, &r1, &r2, &r3};
@@ -91,6 +92,7 @@ inline void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, cons
 }
 inline void ldsm_x4(uint32_t (&r)[4], const void* p) { ldsm_x4(r[0], r[1], r[2], r[3], p); }
 template <int N> inline void ldsm_trans(uint32_t (&r)[N], const void* p) {
+  if (threadIdx.x % 32 < 8 * N) emu::require_aligned(p, 16);  // the lanes whose addresses the N matrices take
   const auto rows = emu::gather(static_cast<const unsigned char*>(p));
   const int lane = threadIdx.x % 32;
   for (int i = 0; i < N; ++i) {
@@ -103,12 +105,15 @@ template <int N> inline void ldsm_trans(uint32_t (&r)[N], const void* p) {
 inline void ldsm_x4_trans(uint32_t (&r)[4], const void* p) { ldsm_trans<4>(r, p); }
 inline void ldsm_x2_trans(uint32_t (&r)[2], const void* p) { ldsm_trans<2>(r, p); }
 inline void ldsm_x2(uint32_t (&r)[2], const void* p) {
+  if (threadIdx.x % 32 < 16) emu::require_aligned(p, 16);
   const auto rows = emu::gather(static_cast<const unsigned char*>(p));
   const int lane = threadIdx.x % 32;
   for (int i = 0; i < 2; ++i) std::memcpy(&r[i], rows[8 * i + lane / 4] + 4 * (lane % 4), 4);
 }
 
 inline void cp_async16(void* dst, const void* src, bool valid) {
+  emu::require_aligned(dst, 16);
+  if (valid) emu::require_aligned(src, 16);
   if (valid) std::memcpy(dst, src, 16);
   else std::memset(dst, 0, 16);
 }
