@@ -97,7 +97,7 @@ def test_forward_group_sizes(emulator, monkeypatch, group_chunks, n, causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_feature_shapes_with_padding(emulator, d, tables, planes_per_table, dtype, causal):
     # items of 2, 8 and 16 features per row (the warps' feature stores, the sigma tables of P != 4), Nq != Nk, key
-    # padding; L P of 18 and 24 (the chain's second k-step: chain_mma)
+    # padding; L P of 18 and 24 (more planes than one 16-wide step of the dq / dk chain)
     check(emulator, 2, 2, 1, 90, 150, d, causal=causal, dtype=dtype, tables=tables, planes_per_table=planes_per_table,
           mask=make_padding(2, 150, seed=5))
 
