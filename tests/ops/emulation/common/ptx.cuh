@@ -113,9 +113,12 @@ inline void ldsm_x2(uint32_t (&r)[2], const void* p) {
 
 inline void cp_async16(void* dst, const void* src, bool valid) {
   emu::require_aligned(dst, 16);
-  if (valid) emu::require_aligned(src, 16);
-  if (valid) std::memcpy(dst, src, 16);
-  else std::memset(dst, 0, 16);
+  if (valid) {
+    emu::require_aligned(src, 16);
+    std::memcpy(dst, src, 16);
+  } else {
+    std::memset(dst, 0, 16);
+  }
 }
 inline void cp_async_commit() {}
 inline void cp_async_wait_all() {}
