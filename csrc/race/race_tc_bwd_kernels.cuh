@@ -5,17 +5,20 @@
 // race_group_dq_bwd_kernel walks the key chunks of one group (causal; non-causal: the query tiles of one
 // group) in order, as race_group_out_fwd_kernel does, with the group's prefix state [A, z] (from
 // race_group_state_fwd_kernel + the group scan) in shared memory. Per query tile (rows i, dO_i, den_i):
-//   [num, den]  = tile_num_fp32 (the forward's products with fp32-accurate operands)
-//   c^_i        = dO_i . num_i / den_i                     (c_i = G_i . O_i = c^_i / den_i, saved with den_i)
+//   den_i       = phi(q_i) . z + sum_j s_ij                (s_ij = phi(q_i) . phi(k_j), j <= i: the chunk's scores)
+//   c^_i        = dO_i . num_i / den_i = (phi(q_i) . (A dO_i) + sum_j s_ij (dO_i . v_j)) / den_i
+//                                                           (c_i = G_i . O_i = c^_i / den_i, saved with den_i)
 //   ds'_ij      = dO_i . v_j - c^_i  over j <= i           (= den_i d a_ij: well scaled for 16-bit operands)
 //   dphi(q_i)   = (dO_i A^T - c^_i z + sum_j ds'_ij phi(k_j)) / den_i
 //   g = dphi * phi(q) (fp32 phi), w per table and plane, dq = sum_lt 2 beta w (1 - u^2) W_lt, dbeta partial.
 // Operand precision: dO_i A^T in tf32 with dO exact (fp16/bf16 are tf32 subsets) and A split in two tf32
 // halves; ds' = dO v^T on T operands (exact products, fp32 sums); sum_j ds' phi(k) with ds' scaled per row
 // by a power of two (row max in [1, 2): fp16 keeps its bits when dO is tiny) and split in two T halves,
-// phi(k) in two T halves (the forward's pkt). c^ z in fp32 on CUDA cores. num and den (so c^, den, c) from
-// fp32 phi(q), the state and phi(k) in two tf32 halves: with the forward's fp16 phi and tf32 state, c^ missed the
-// exact cancellation sum_j a_ij (G_i . v_j - c_i) = 0 by ~1e-4 relative, and dbeta (both sides) with it. No atomics.
+// phi(k) in two T halves (the forward's pkt). c^ z in fp32 on CUDA cores. num is never formed: c^ takes A dO_i from
+// dO_i A^T (the product dphi(q) needs anyway) and dO_i . v_j from ds', dotted with fp32 phi(q) and the fp32-accurate
+// scores on CUDA cores, so c^ and dphi(q) share their operands (with the forward's fp16 phi and tf32 state, c^ missed
+// the exact cancellation sum_j a_ij (G_i . v_j - c_i) = 0 by ~1e-4 relative, and dbeta, both sides, with it).
+// No atomics.
 //
 // Key side (dk, dv, the k-side dbeta; section "Key side" below, reads den and c written by the dq side):
 //   race_group_qstate_bwd_kernel  per (group, q head): sum phi(q) / den [dO, c den]^T over the group's query tiles
@@ -179,11 +182,13 @@ __device__ __forceinline__ void row_pow2_scales(float (&mx)[2], float (&scale)[2
   }
 }
 
-// acc[n] (0 on entry) = x b for the n-tiles n < ncount. x: the warp's 16 rows x 64 columns in the C layout, scaled
-// per row by a power of two (row max in [1, 2), exact, undone at the end: a tiny row keeps its bits in fp16) and
-// split in two T halves, reused as A registers; b: a 16-bit tile [8 n + .][kT] (k = x's columns), either exact in T
-// (b_lo null: hi b + lo b) or itself two halves b + b_lo (hi b + hi b_lo + lo b).
-template <typename T, int NN>
+// acc[n] (0 on entry; kAccumulate: a partial sum) += x b for the n-tiles n < ncount. x: the warp's 16 rows x 64
+// columns in the C layout, scaled per row by a power of two (row max in [1, 2), exact, undone at the end: a tiny row
+// keeps its bits in fp16) and split in two T halves, reused as A registers; b: a 16-bit tile [8 n + .][kT] (k = x's
+// columns), either exact in T (b_lo null: hi b + lo b) or itself two halves b + b_lo (hi b + hi b_lo + lo b).
+// kAccumulate: acc is scaled by the same power of two first (exact), capped so that the scaled partial sum stays below
+// 2^122: a row of x far smaller than its partial sum cannot push that sum past fp32's range.
+template <typename T, int NN, bool kAccumulate = false>
 __device__ __forceinline__ void split_product(const float (&x)[kC / 8][4], const T* b, const T* b_lo, int ncount,
                                               float (&acc)[NN][4]) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -192,8 +197,20 @@ __device__ __forceinline__ void split_product(const float (&x)[kC / 8][4], const
   for (int n = 0; n < kC / 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], fabsf(x[n][e]));
+  if constexpr (kAccumulate) {
+#pragma unroll
+    for (int n = 0; n < NN; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], fabsf(acc[n][e]) * 0x1p-120f);
+  }
   float scale[2], unscale[2];
   row_pow2_scales(mx, scale, unscale);
+  if constexpr (kAccumulate) {
+#pragma unroll
+    for (int n = 0; n < NN; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[n][e] *= scale[e / 2];
+  }
 #pragma unroll
   for (int kk = 0; kk < kC / 16; ++kk) {
     uint32_t hi[4], lo[4];
@@ -359,10 +376,9 @@ __device__ __forceinline__ void warp_table_w(const Params& p, const float* g, co
   dispatch_planes(p, [&](auto planes) { warp_table_w_p<decltype(planes)::value>(p, g, sp, sm, w); });
 }
 
-// Whether tile_num_fp32 takes the chunk's scores on T operands (scores_split) instead of tf32 halves: for bf16 inputs,
-// whose phi(k) is already two bf16 halves in pkt (16 bits) and whose scores enter num as two bf16 halves
-// (masked_scores_times_v); bf16 keeps fp32's exponent range, where fp16 halves of phi(q) (products of up to six
-// sigmoids) would flush a sharp row's small features.
+// Whether chunk_scores takes the scores on T operands (scores_split) instead of tf32 halves: for bf16 inputs, whose
+// phi(k) is already two bf16 halves in pkt (16 bits); bf16 keeps fp32's exponent range, where fp16 halves of phi(q)
+// (products of up to six sigmoids) would flush a sharp row's small features.
 template <typename T>
 constexpr bool kSplitScores = std::is_same_v<T, __nv_bfloat16>;
 
@@ -403,47 +419,33 @@ __device__ __forceinline__ void scores_split(const Params& p, const Tiles<T, D>&
   }
 }
 
-// [num, den] of one query tile as tile_num computes them, with fp32-accurate products: phi(q) in fp32 from the
-// sigma tables, the state and (when `intra`) phi(k) = pkt hi + lo, each in two tf32 halves (hi hi + hi lo +
-// lo hi; bf16 inputs: the scores on bf16 halves, scores_split), then the masked scores in two T halves times [v, 1]
-// as in tile_num. c^ = dO . num / den must match
-// the fp32 phi(q), phi(k) and state that dphi(q) and the key side (race_dkv_bwd_kernel, fp32) use: the
-// forward's fp16 phi(q) and tf32 state leave c^ ~1e-4 relative off, far above the dbeta tolerance.
+// sc = phi(q) phi(k)^T (unmasked) for the warp's 16 query rows and the chunk's keys 8n.., fp32-accurate: bf16 inputs
+// on T halves (scores_split); fp16: phi(q) in fp32 (the phi tile, or rebuilt from the sigma tables) and phi(k) = pkt
+// hi + lo, each in two tf32 halves (hi hi + hi lo + lo hi).
 template <typename T, int D, bool PHI_TILE = false>
-__device__ __forceinline__ void tile_num_fp32(const Params& p, const Tiles<T, D>& s, bool intra,
-                                              float (&acc)[D / 8 + 1][4], const float* phi32 = nullptr) {
-  constexpr int kX = D + 8;
-  constexpr int kN = D / 8 + 1;
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
-  const int nf = (p.features + 7) / 8;  // feature k-steps that are not all zero
-  float sc[kC / 8][4] = {};
-  constexpr int kUnroll = PHI_TILE && D == 128 ? 1 : kS / 8;  // D = 128 with the fp32 phi tile: fewer live registers
-#pragma unroll kUnroll
-  for (int kk = 0; kk < kS / 8; ++kk) {
-    if (kk >= nf) continue;
-    uint32_t qhi[4], qlo[4];
-    if constexpr (PHI_TILE) phi_frag_tile<true>(phi32, nullptr, r0, kk, qhi, qlo);
-    else phi_frag<true>(p, s.sp, s.sm, s.okq, nullptr, r0, kk, qhi, qlo);
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      uint32_t bhi[2], blo[2];
-      state_frag(s.st, kX, kk, n, bhi, blo);
-      mma::mma_tf32x3(acc[n], qhi, qlo, bhi, blo);
-    }
-    if (!intra || kSplitScores<T>) continue;
-#pragma unroll
-    for (int n = 0; n < kC / 8; ++n) {  // B register e: feature kk * 8 + t + 4 e, key n * 8 + g
-      const T* k0 = s.pkt + (kk * 8 + t) * kT + n * 8 + g;
-      uint32_t bhi[2], blo[2];
-      mma::tf32_split(to_float(k0[0]) + to_float(k0[kS * kT]), bhi[0], blo[0]);
-      mma::tf32_split(to_float(k0[4 * kT]) + to_float(k0[(kS + 4) * kT]), bhi[1], blo[1]);
-      mma::mma_tf32x3(sc[n], qhi, qlo, bhi, blo);
-    }
-  }
+__device__ __forceinline__ void chunk_scores(const Params& p, const Tiles<T, D>& s, const float* phi32,
+                                             float (&sc)[kC / 8][4]) {
   if constexpr (kSplitScores<T>) {
-    if (intra) scores_split<T, D, PHI_TILE>(p, s, phi32, sc);
+    scores_split<T, D, PHI_TILE>(p, s, phi32, sc);
+  } else {
+    const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r0 = (threadIdx.x / 32) * 16;
+    const int nf = (p.features + 7) / 8;  // feature k-steps that are not all zero
+#pragma unroll
+    for (int kk = 0; kk < kS / 8; ++kk) {
+      if (kk >= nf) continue;
+      uint32_t qhi[4], qlo[4];
+      if constexpr (PHI_TILE) phi_frag_tile<true>(phi32, nullptr, r0, kk, qhi, qlo);
+      else phi_frag<true>(p, s.sp, s.sm, s.okq, nullptr, r0, kk, qhi, qlo);
+#pragma unroll
+      for (int n = 0; n < kC / 8; ++n) {  // B register e: feature kk * 8 + t + 4 e, key n * 8 + g
+        const T* k0 = s.pkt + (kk * 8 + t) * kT + n * 8 + g;
+        uint32_t bhi[2], blo[2];
+        mma::tf32_split(to_float(k0[0]) + to_float(k0[kS * kT]), bhi[0], blo[0]);
+        mma::tf32_split(to_float(k0[4 * kT]) + to_float(k0[(kS + 4) * kT]), bhi[1], blo[1]);
+        mma::mma_tf32x3(sc[n], qhi, qlo, bhi, blo);
+      }
+    }
   }
-  if (intra) masked_scores_times_v<T, D>(s, sc, acc);
 }
 
 // Whether tile_dq advances the causal state itself (D <= 64; at D = 128 its registers beside the epilogue's would
@@ -461,61 +463,75 @@ template <typename T, int D, bool PHI_TILE = false>
 __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, Tiles<T, D>& s, BwdTiles<T, D>& bt,
                         bool advance = false) {
   constexpr int kX = D + 8;
-  constexpr int kN = D / 8 + 1;
   constexpr int kG = BwdTiles<T, D>::kG;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, warp = threadIdx.x / 32, r0 = warp * 16;
   const int nf = (p.features + 7) / 8;  // feature n-tiles that are not all zero
-  float chat[2], inv[2];
-  // intra: dO v^T, the warp's rows x the chunk's 64 keys; D <= 64 issues it before num is read, so that its products
-  // cover num's last ones (at D = 128 its accumulators beside num's spill)
-  constexpr bool kEarlyDs = D <= 64;
-  float ds[kC / 8][4] = {};
-  {
-    float acc[kN][4] = {};
-    tile_num_fp32<T, D, PHI_TILE>(p, s, intra, acc, bt.g);
-    if (kEarlyDs && intra) rows_dot<T, D>(bt.dO, s.x, ds);
-    const int quad = lane & ~3;  // den = column D, held by the quad's t = 0 lane
-    const float dens[2] = {__shfl_sync(0xffffffffu, acc[kN - 1][0], quad),
-                           __shfl_sync(0xffffffffu, acc[kN - 1][2], quad)};
+  float z[kS / 8][2];  // z of the lane's features 8n + 2t + e (st changes only after the tile's barrier below)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = r0 + g + 8 * half, i = m * kC + r;
-      const bool live = s.okq[r] && dens[half] > 0.f;
-      float part = 0.f;
+  for (int n = 0; n < kS / 8; ++n)
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        const T* o = bt.dO + r * kX + n * 8 + 2 * t;
-        part = fmaf(to_float(o[0]), acc[n][2 * half], part);
-        part = fmaf(to_float(o[1]), acc[n][2 * half + 1], part);
-      }
-      part += __shfl_xor_sync(0xffffffffu, part, 1);  // every lane of the quad gets the same sum
-      part += __shfl_xor_sync(0xffffffffu, part, 2);
-      inv[half] = live ? 1.f / dens[half] : 0.f;
-      chat[half] = live ? part * inv[half] : 0.f;
-      if (t == 0 && i < p.nq) {
-        p.den[hd.bh * p.nq + i] = live ? dens[half] : 0.f;
-        p.cq[hd.bh * p.nq + i] = chat[half] * inv[half];
-      }
-    }
-  }
-  float dphi[kS / 8][4] = {};
+    for (int e = 0; e < 2; ++e) z[n][e] = s.st[(n * 8 + 2 * t + e) * kX + D];
+  const auto phi_q = [&](int r, int f) {  // fp32 phi(q)[r][f]: 0 past S and for rows with ok = 0 (as the phi tile)
+    if constexpr (PHI_TILE) return bt.g[r * kG + f];
+    else return f < p.features && s.okq[r] ? phi_at(p, s.sp, s.sm, r, f) : 0.f;
+  };
+  // den = phi(q) . z + sum_j s_ij and c^ den = dO . num = phi(q) . (A dO) + sum_j s_ij (dO . v_j), over j <= i:
+  // this lane's part of each of its two rows (half), then the quad's sum
+  float den[2] = {0.f, 0.f}, dot[2] = {0.f, 0.f};
+  float ds[kC / 8][4] = {};  // intra: dO v^T, the warp's rows x the chunk's 64 keys
   if (intra) {
-    if (!kEarlyDs) rows_dot<T, D>(bt.dO, s.x, ds);
+    float sc[kC / 8][4] = {};
+    chunk_scores<T, D, PHI_TILE>(p, s, bt.g, sc);
+    rows_dot<T, D>(bt.dO, s.x, ds);
 #pragma unroll
     for (int n = 0; n < kC / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int half = e / 2, i = r0 + g + 8 * half, j = n * 8 + 2 * t + (e & 1);
-        ds[n][e] = j <= i && s.okk[j] ? ds[n][e] - chat[half] : 0.f;  // tile m and chunk kappa0 + m share the diagonal
+        if (j <= i && s.okk[j]) {  // tile m and chunk kappa0 + m share the diagonal
+          den[half] += sc[n][e];
+          dot[half] = fmaf(sc[n][e], ds[n][e], dot[half]);
+        }
       }
-    split_product<T, kS / 8>(ds, s.pkt, s.pkt + kS * kT, nf, dphi);  // phi(k) in T halves
   }
+  float dphi[kS / 8][4] = {};
   rows_times_state<T, D>(bt.dO, s.st, nf, dphi);  // dO A^T: dO exact in tf32, A in two tf32 halves
-  float z[kS / 8][2];  // z of the lane's features 8n + 2t + e, read before the state may advance
 #pragma unroll
   for (int n = 0; n < kS / 8; ++n)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) z[n][e] = s.st[(n * 8 + 2 * t + e) * kX + D];
+    for (int e = 0; e < 4; ++e) {
+      const int half = e / 2, f = n * 8 + 2 * t + (e & 1);
+      const float phi = phi_q(r0 + g + 8 * half, f);
+      den[half] = fmaf(phi, z[n][e & 1], den[half]);
+      dot[half] = fmaf(phi, dphi[n][e], dot[half]);
+    }
+  float chat[2], inv[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int x = 1; x <= 2; x *= 2) {  // the quad's lanes hold the row's other columns
+      den[half] += __shfl_xor_sync(0xffffffffu, den[half], x);
+      dot[half] += __shfl_xor_sync(0xffffffffu, dot[half], x);
+    }
+    const int r = r0 + g + 8 * half, i = m * kC + r;
+    const bool live = s.okq[r] && den[half] > 0.f;
+    inv[half] = live ? 1.f / den[half] : 0.f;
+    chat[half] = live ? dot[half] * inv[half] : 0.f;
+    if (t == 0 && i < p.nq) {
+      p.den[hd.bh * p.nq + i] = live ? den[half] : 0.f;
+      p.cq[hd.bh * p.nq + i] = chat[half] * inv[half];
+    }
+  }
+  if (intra) {
+#pragma unroll
+    for (int n = 0; n < kC / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int half = e / 2, i = r0 + g + 8 * half, j = n * 8 + 2 * t + (e & 1);
+        ds[n][e] = j <= i && s.okk[j] ? ds[n][e] - chat[half] : 0.f;
+      }
+    split_product<T, kS / 8, true>(ds, s.pkt, s.pkt + kS * kT, nf, dphi);  // += ds' phi(k), phi(k) in T halves
+  }
   __syncthreads();  // every warp is done with phq, phk (the g tile's storage) and with reading the state
   const bool advancing = kDqAdvanceInTile<D> && advance;
   float delta[D / 8 + 1][4] = {};  // advance_state's products, issued here and added to st after the scalar work
@@ -527,8 +543,7 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
       const int half = e / 2, r = r0 + g + 8 * half, f = n * 8 + 2 * t + (e & 1);
       float val = 0.f;
       if (f < p.features && inv[half] > 0.f) {  // PHI_TILE: this thread alone reads phi(q)[r][f], then writes g
-        const float phi = PHI_TILE ? bt.g[r * kG + f] : phi_at(p, s.sp, s.sm, r, f);
-        val = (dphi[n][e] - chat[half] * z[n][e & 1]) * inv[half] * phi;
+        val = (dphi[n][e] - chat[half] * z[n][e & 1]) * inv[half] * phi_q(r, f);
       }
       bt.g[r * kG + f] = val;
     }
