@@ -508,11 +508,8 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
   float chat[2], inv[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-#pragma unroll
-    for (int x = 1; x <= 2; x *= 2) {  // the quad's lanes hold the row's other columns
-      den[half] += __shfl_xor_sync(0xffffffffu, den[half], x);
-      dot[half] += __shfl_xor_sync(0xffffffffu, dot[half], x);
-    }
+    den[half] = mma::quad_sum(den[half]);  // the quad's lanes hold the row's other columns
+    dot[half] = mma::quad_sum(dot[half]);
     const int r = r0 + g + 8 * half, i = m * kC + r;
     const bool live = s.okq[r] && den[half] > 0.f;
     inv[half] = live ? 1.f / den[half] : 0.f;
