@@ -141,3 +141,18 @@ def test_block_wide_causal_out_kernel(emulator, monkeypatch, d, dtype):
     monkeypatch.setenv("HFAB_RACE_WARP_CAUSAL", "0")
     block_out, _ = check(emulator, 2, 2, 1, 150, 150, d, causal=True, dtype=dtype, mask=mask)
     assert not torch.equal(warp_out, block_out)
+
+
+@pytest.mark.parametrize("d, tables, planes_per_table, dtype", [(64, 6, 3, torch.bfloat16), (32, 3, 2, torch.float16),
+                                                                 (128, 1, 6, torch.bfloat16)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_phi_tile_is_bitwise_the_per_use_rebuild(emulator, monkeypatch, d, tables, planes_per_table, dtype, causal):
+    # HFAB_RACE_PHI_TILE=0: the backward kernels rebuild phi from the sigma tables at each use instead of reading the
+    # fp32 phi tiles; the same values in the same order, so every gradient must match bit for bit (both within bounds)
+    args = dict(causal=causal, dtype=dtype, tables=tables, planes_per_table=planes_per_table,
+                mask=make_padding(2, 150, seed=4))
+    _, tiled = check(emulator, 2, 2, 1, 130, 150, d, **args)
+    monkeypatch.setenv("HFAB_RACE_PHI_TILE", "0")
+    _, per_use = check(emulator, 2, 2, 1, 130, 150, d, **args)
+    for name, a, b in zip(("dq", "dk", "dv", "dbeta"), per_use, tiled):
+        assert torch.equal(a, b), f"{name} differs between HFAB_RACE_PHI_TILE=0 and the default"

@@ -106,6 +106,14 @@ bool block_causal_out() {
   return v != nullptr && std::string(v) == "0";
 }
 
+// HFAB_RACE_PHI_TILE=0 (read per call here): the backward kernels rebuild phi at each use (<..., PHI_TILE = false>),
+// as on the GPU. fn(std::bool_constant<PHI_TILE>) launches.
+template <typename Fn>
+bool with_phi_tile(Fn&& fn) {
+  const char* v = std::getenv("HFAB_RACE_PHI_TILE");
+  return v != nullptr && std::string(v) == "0" ? fn(std::false_type{}) : fn(std::true_type{});
+}
+
 template <typename T, int D>
 bool forward(Params& p, int b, bool tc_path) {
   vector<float> state, z;
@@ -132,7 +140,10 @@ bool backward(Params& p, int b, int hkv, bool tc_path) {
     if (tc_path) {
       if (!tc_key_states<T, D, false>(p, tc::kGroup, b, state, z)) return false;
       const unsigned blocks = static_cast<unsigned>(p.causal ? p.ngk : p.ngq);
-      if (!emu::launch(dim3(blocks, p.hq, b), tc::kThreads, [&] { tc::race_group_dq_bwd_kernel<T, D, true>(p); }))
+      if (!with_phi_tile([&](auto tile) {
+            return emu::launch(dim3(blocks, p.hq, b), tc::kThreads,
+                               [&] { tc::race_group_dq_bwd_kernel<T, D, decltype(tile)::value>(p); });
+          }))
         return false;
       dq_done = true;
     }
@@ -143,10 +154,13 @@ bool backward(Params& p, int b, int hkv, bool tc_path) {
   if constexpr (!std::is_same_v<T, float>) {
     if (tc_path) {
       const int groups = div_up(p.causal ? p.nkc : p.nqt, tc::kGroup);
-      return emu::launch(dim3(groups, p.hq, b), tc::kThreads,
-                         [&] { tc::race_group_qstate_bwd_kernel<T, D, true>(p); }) &&
-             scan(p.qstate, p.qz, groups, D, p, b, kSuffix) &&
-             emu::launch(dim3(p.ngk, hkv, b), tc::kThreads, [&] { tc::race_group_dkv_bwd_kernel<T, D, true>(p); });
+      return with_phi_tile([&](auto tile) {
+        constexpr bool kTile = decltype(tile)::value;
+        return emu::launch(dim3(groups, p.hq, b), tc::kThreads,
+                           [&] { tc::race_group_qstate_bwd_kernel<T, D, kTile>(p); }) &&
+               scan(p.qstate, p.qz, groups, D, p, b, kSuffix) &&
+               emu::launch(dim3(p.ngk, hkv, b), tc::kThreads, [&] { tc::race_group_dkv_bwd_kernel<T, D, kTile>(p); });
+      });
     }
   }
   return emu::launch(dim3(p.nqt, p.hq, b), kThreads, [&] { race_state_fwd_kernel<T, D, true>(p); }) &&
