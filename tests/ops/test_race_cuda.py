@@ -86,12 +86,13 @@ def reference_run(q, k, v, planes, beta, dout, *, causal, mask):
     return out.detach(), torch.autograd.grad(out, leaves, dout)
 
 
-def check_against_oracle(q, k, v, planes, beta, *, causal, mask=None, seed=1, run=run_kernel):
+def check_against_oracle(q, k, v, planes, beta, *, causal, mask=None, seed=1, run=run_kernel, dout_scale=1.0):
     """The kernels' out, dq, dk, dv, dbeta against float64 with the reference's error as the yardstick.
 
-    run: like run_kernel (the CUDA ops, the default)."""
+    run: like run_kernel (the CUDA ops, the default). dout_scale: the upstream gradient is standard normal times this
+    (in float32, before the cast: e.g. a mean-reduced loss's tiny gradients)."""
     g = torch.Generator(device=q.device).manual_seed(seed)
-    dout = torch.randn(q.shape, device=q.device, generator=g).to(q.dtype)
+    dout = (torch.randn(q.shape, device=q.device, generator=g) * dout_scale).to(q.dtype)
     assert_not_drawn_like(dout, q)
     out, grads = run(q, k, v, planes, beta, dout, causal=causal, mask=mask)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
@@ -346,6 +347,17 @@ def test_half_precision_backward_feature_maps(num_planes, num_tables, d, dtype):
     planes = make_planes(num_tables, num_planes, d, seed=num_planes)
     for causal in (False, True):
         check_against_oracle(q, k, v, planes, per_head_beta(2, d), causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dout_scale", [2.0 ** -20, 2.0 ** 13], ids=["tiny", "large"])
+def test_half_precision_backward_upstream_gradients_of_any_size(dtype, dout_scale):
+    """dO x 2^13: ds' = dO . v - c^ past fp16's range unless each row is scaled by its power of two before its T
+    halves; x 2^-20: subnormal fp16 dO (a mean-reduced loss)."""
+    q, k, v = make_inputs(1, 2, 1, 1100, 1100, 64, dtype=dtype)
+    for causal in (False, True):
+        check_against_oracle(q, k, v, make_planes(4, 4, 64), per_head_beta(2, 64), causal=causal,
+                             dout_scale=dout_scale)
 
 
 @pytest.mark.parametrize("nq, nk", [(1100, 4097), (333, 1100), (1100, 333), (200, 65)])

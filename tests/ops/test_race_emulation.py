@@ -42,15 +42,15 @@ def emulated(lib):
 
 
 def check(lib, b, hq, hkv, nq, nk, d, *, causal, dtype=torch.float16, tables=4, planes_per_table=4, mask=None,
-          v_scale=None, beta_mult=1.0):
+          v_scale=None, beta_mult=1.0, dout_scale=1.0):
     """v_scale: a factor per key (Nk,) or per element (Nk, D) that v is multiplied by (in float32, before the cast to
-    dtype). Returns out and the gradients."""
+    dtype); dout_scale: check_against_oracle's. Returns out and the gradients."""
     q, k, v = cpu_inputs(b, hq, hkv, nq, nk, d, dtype=dtype)
     if v_scale is not None:
         v = (v.float() * (v_scale if v_scale.dim() == 2 else v_scale[:, None])).to(dtype)
     planes = make_planes(tables, planes_per_table, d, device="cpu")
     return check_against_oracle(q, k, v, planes, per_head_beta(hq, d, mult=beta_mult, device="cpu"), causal=causal,
-                                mask=mask, run=emulated(lib))
+                                mask=mask, run=emulated(lib), dout_scale=dout_scale)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -156,3 +156,12 @@ def test_phi_tile_is_bitwise_the_per_use_rebuild(emulator, monkeypatch, d, table
     _, per_use = check(emulator, 2, 2, 1, 130, 150, d, **args)
     for name, a, b in zip(("dq", "dk", "dv", "dbeta"), per_use, tiled):
         assert torch.equal(a, b), f"{name} differs between HFAB_RACE_PHI_TILE=0 and the default"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dout_scale", [2.0 ** -20, 2.0 ** 13], ids=["tiny", "large"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_upstream_gradients_of_any_size(emulator, dtype, dout_scale, causal):
+    # dO x 2^13: ds' = dO . v - c^ past fp16's range unless each row is scaled by its power of two before the T
+    # halves (without the scaling the fp16 causal case gives NaN); x 2^-20: subnormal fp16 dO (a mean-reduced loss)
+    check(emulator, 1, 2, 1, 150, 150, 64, causal=causal, dtype=dtype, dout_scale=dout_scale)
