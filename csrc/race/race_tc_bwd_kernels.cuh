@@ -186,8 +186,9 @@ __device__ __forceinline__ void row_pow2_scales(float (&mx)[2], float (&scale)[2
 // columns in the C layout, scaled per row by a power of two (row max in [1, 2), exact, undone at the end: a tiny row
 // keeps its bits in fp16) and split in two T halves, reused as A registers; b: a 16-bit tile [8 n + .][kT] (k = x's
 // columns), either exact in T (b_lo null: hi b + lo b) or itself two halves b + b_lo (hi b + hi b_lo + lo b).
-// kAccumulate: acc is scaled by the same power of two first (exact), capped so that the scaled partial sum stays below
-// 2^122: a row of x far smaller than its partial sum cannot push that sum past fp32's range.
+// kAccumulate: acc is scaled by the same power of two first (exact unless a value drops below 2^-126: only where x's
+// row is 2^126 times larger), capped so that the scaled partial sum stays below 2^122: a row of x far smaller than its
+// partial sum cannot push that sum past fp32's range.
 template <typename T, int NN, bool kAccumulate = false>
 __device__ __forceinline__ void split_product(const float (&x)[kC / 8][4], const T* b, const T* b_lo, int ncount,
                                               float (&acc)[NN][4]) {
