@@ -476,6 +476,8 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
     if constexpr (PHI_TILE) return bt.g[r * kG + f];
     else return f < p.features && s.okq[r] ? phi_at(p, s.sp, s.sm, r, f) : 0.f;
   };
+  float dphi[kS / 8][4] = {};
+  rows_times_state<T, D>(bt.dO, s.st, nf, dphi);  // dO A^T: dO exact in tf32, A in two tf32 halves
   // den = phi(q) . z + sum_j s_ij and c^ den = dO . num = phi(q) . (A dO) + sum_j s_ij (dO . v_j), over j <= i:
   // this lane's part of each of its two rows (half), then the quad's sum
   float den[2] = {0.f, 0.f}, dot[2] = {0.f, 0.f};
@@ -495,8 +497,6 @@ __device__ void tile_dq(const Params& p, const Heads<T>& hd, int m, bool intra, 
         }
       }
   }
-  float dphi[kS / 8][4] = {};
-  rows_times_state<T, D>(bt.dO, s.st, nf, dphi);  // dO A^T: dO exact in tf32, A in two tf32 halves
 #pragma unroll
   for (int n = 0; n < kS / 8; ++n)
 #pragma unroll
