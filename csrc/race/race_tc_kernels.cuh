@@ -964,10 +964,11 @@ __device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, 
 // Query tile m: flags, x, phi(q) (fp16) into phq, or fp32 into phi32 instead when that is not null. Backward
 // (dout not null): also the tile's rows of dout into dtile ([64][D + 8]) and u into `u`. Ends with a barrier.
 // s.prefetch: the x rows are already on their way (prefetch_queries), and once projected, those of query tile
-// next_m (when >= 0) start loading.
+// next_m (when >= 0) start loading. fetched (without dout): the tile's q rows are already in `rows`' registers.
 template <typename T, int D>
 __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, D>& s, const T* dout = nullptr,
-                           T* dtile = nullptr, float* u = nullptr, float* phi32 = nullptr, int next_m = -1) {
+                           T* dtile = nullptr, float* u = nullptr, float* phi32 = nullptr, int next_m = -1,
+                           bool fetched = false, const mma::RowsInFlight<kC, D, kThreads>& rows = {}) {
   __syncthreads();
   if (threadIdx.x < kC) s.okq[threadIdx.x] = m * kC + threadIdx.x < p.nq;
   __syncthreads();
@@ -981,6 +982,8 @@ __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, 
     grads.fetch(dout, p.sdo.n, m * kC, ok);
     queries.store(s.x);
     grads.store(dtile);
+  } else if (fetched) {
+    rows.store(s.x);
   } else {
     load_rows<T, D>(hd.q, p.sq.n, m * kC, s.okq, s.x);
   }
