@@ -594,10 +594,11 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dq_bwd_kernel(const Pa
   }
   for (int kappa = first; kappa < end; ++kappa) {
     const int m = kappa - p.kappa0;  // the query tile whose diagonal is in this chunk
-    key_chunk<T, D>(p, hd, b, kappa, s, !PHI_TILE && m >= 0);  // phk is not read here: PHI_TILE skips it
+    VtInFlight<T, D> v_rows;  // the chunk's v rows as key_chunk loaded them (D <= 64: 16 registers)
+    key_chunk<T, D>(p, hd, b, kappa, s, !PHI_TILE && m >= 0, -1, -1, &v_rows);  // PHI_TILE: phk is not read here
     if (m >= 0) {
       query_tile<T, D>(p, hd, m, s, dout, bt.dO, bt.u, phi32);  // after key_chunk: sp, sm keep q's tables
-      load_rows<T, D>(hd.v, p.sv.n, p.s0 + kappa * kC, s.okk, s.x);  // v row-major (x is free again)
+      v_rows.store_rows(s.x);  // v row-major (x is free again), without loading it twice
       __syncthreads();
       tile_dq<T, D, PHI_TILE>(p, hd, m, true, s, bt, kappa + 1 < end);
     }

@@ -246,6 +246,13 @@ template <int D> struct VtChunks {
       for (int e = 0; e < 8; ++e) col[e * kT] = static_cast<uint16_t>(e % 2 ? words[e / 2] >> 16 : words[e / 2]);
     }
   }
+  // the same chunks row-major into x[j][d] ([64][D + 8], as load_rows writes it)
+  template <typename T, int N>
+  static __device__ __forceinline__ void store_rows(const uint4 (&val)[N], T* x, int i0) {
+    const int j = row(), c0 = threadIdx.x / kC;
+#pragma unroll
+    for (int i = 0; i < N; ++i) *reinterpret_cast<uint4*>(x + j * (D + 8) + 8 * (c0 + kPass * (i0 + i))) = val[i];
+  }
 };
 
 // v rows [row0, row0 + 64) (global or shared memory) transposed into vt[d][j] (rows with ok = 0 are 0). Thread: row j,
@@ -273,6 +280,7 @@ template <typename T, int D> struct VtInFlight {
     C::fetch(val, v + (long long)(row0 + j) * stride + 8 * (threadIdx.x / kC), row_ok(j), 0);
   }
   __device__ __forceinline__ void store(T* vt) const { C::store(val, vt, 0); }
+  __device__ __forceinline__ void store_rows(T* x) const { C::store_rows(val, x, 0); }  // row-major, untransposed
 };
 
 // W x for the warp's 16 rows 16w.. of `tile` on tensor cores, in the C layout: acc[nt] holds planes 8 nt..8 nt + 7
@@ -538,10 +546,11 @@ __device__ __forceinline__ void prefetch_queries(const Params& p, const Heads<T>
 // Loads key chunk kappa (x of its keys, v^T, flags) and builds phi(k): fp16 row-major into phk when
 // `scores`, T halves transposed into pkt. Ends with a barrier. s.prefetch: the x rows are already on their way
 // (prefetch_keys), and once projected, the rows of key chunk next_kappa and query tile next_m (each when >= 0)
-// start loading.
+// start loading. keep (without s.prefetch and s.xv): also the v rows' registers, for a row-major copy later.
 template <typename T, int D>
-__device__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa, Tiles<T, D>& s, bool scores,
-                          int next_kappa = -1, int next_m = -1) {
+__device__ __forceinline__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa, Tiles<T, D>& s,
+                                          bool scores, int next_kappa = -1, int next_m = -1,
+                                          VtInFlight<T, D>* keep = nullptr) {
   const int key0 = p.s0 + kappa * kC;
   __syncthreads();  // the previous chunk's readers are done
   if (threadIdx.x < kC) s.okk[threadIdx.x] = key_ok(p, b, key0 + threadIdx.x);
@@ -557,6 +566,7 @@ __device__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa,
     values.fetch(hd.v, p.sv.n, key0, ok);
     keys.store(s.x);
     values.store(s.vt);
+    if (keep != nullptr) *keep = values;
   } else {
     load_rows<T, D>(hd.k, p.sk.n, key0, s.okk, s.x);
   }
