@@ -454,6 +454,11 @@ __device__ __forceinline__ void chunk_scores(const Params& p, const Tiles<T, D>&
 template <int D>
 constexpr bool kDqAdvanceInTile = D <= 64;
 
+// Whether the causal dq kernel loads the next chunk's k and v rows into registers while tile_dq computes (D <= 64: 32
+// registers beside tile_dq's; at D = 128 the 64 would not fit), instead of waiting on them in key_chunk.
+template <int D>
+constexpr bool kDqPrefetch = D <= 64;
+
 // dq rows, den, c and the dbeta partial of query tile m. Expects: sp / sm, u, dO of the tile; the state
 // before the tile's chunk in st; when `intra`, the chunk's pkt, vt, okk and v row-major in x. PHI_TILE: also
 // phi(q) in fp32 in the g tile's storage (query_tile's phi32), read where the default rebuilds it from sp / sm.
@@ -592,13 +597,20 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dq_bwd_kernel(const Pa
     }
     return;
   }
+  KeyRowsInFlight<T, D> next;  // the next chunk's rows, loaded while tile_dq computes (kDqPrefetch<D>)
+  bool fetched = false;
   for (int kappa = first; kappa < end; ++kappa) {
     const int m = kappa - p.kappa0;  // the query tile whose diagonal is in this chunk
     VtInFlight<T, D> v_rows;  // the chunk's v rows as key_chunk loaded them (D <= 64: 16 registers)
-    key_chunk<T, D>(p, hd, b, kappa, s, !PHI_TILE && m >= 0, -1, -1, &v_rows);  // PHI_TILE: phk is not read here
+    key_chunk<T, D>(p, hd, b, kappa, s, !PHI_TILE && m >= 0, -1, -1, &v_rows, fetched, next);  // PHI_TILE: no phk
+    fetched = false;
     if (m >= 0) {
       query_tile<T, D>(p, hd, m, s, dout, bt.dO, bt.u, phi32);  // after key_chunk: sp, sm keep q's tables
       v_rows.store_rows(s.x);  // v row-major (x is free again), without loading it twice
+      if (kDqPrefetch<D> && kappa + 1 < end) {
+        next.fetch(p, hd, b, kappa + 1);
+        fetched = true;
+      }
       __syncthreads();
       tile_dq<T, D, PHI_TILE>(p, hd, m, true, s, bt, kappa + 1 < end);
     }

@@ -543,14 +543,34 @@ __device__ __forceinline__ void prefetch_queries(const Params& p, const Heads<T>
   load_rows_async<T, D>(hd.q, p.sq.n, m * kC, [row0 = m * kC, nq = p.nq](int r) { return row0 + r < nq; }, s.x);
 }
 
+// Key chunk kappa's k rows and v rows held in registers between their loads (fetch) and their stores (k into x, v^T
+// into vt), rows with key_ok false as zeros: 16 + 16 registers per thread at D = 64.
+template <typename T, int D>
+struct KeyRowsInFlight {
+  mma::RowsInFlight<kC, D, kThreads> keys;
+  VtInFlight<T, D> values;
+  __device__ __forceinline__ void fetch(const Params& p, const Heads<T>& hd, int b, int kappa) {
+    const int key0 = p.s0 + kappa * kC;
+    const auto ok = [&](int r) { return key_ok(p, b, key0 + r); };
+    keys.fetch(hd.k, p.sk.n, key0, ok);
+    values.fetch(hd.v, p.sv.n, key0, ok);
+  }
+  __device__ __forceinline__ void store(Tiles<T, D>& s) const {
+    keys.store(s.x);
+    values.store(s.vt);
+  }
+};
+
 // Loads key chunk kappa (x of its keys, v^T, flags) and builds phi(k): fp16 row-major into phk when
 // `scores`, T halves transposed into pkt. Ends with a barrier. s.prefetch: the x rows are already on their way
 // (prefetch_keys), and once projected, the rows of key chunk next_kappa and query tile next_m (each when >= 0)
-// start loading. keep (without s.prefetch and s.xv): also the v rows' registers, for a row-major copy later.
+// start loading. Without s.prefetch and s.xv: keep (not null) also takes the v rows' registers, for a row-major copy
+// later; fetched: the chunk's rows are already in `rows` (KeyRowsInFlight::fetch), with no wait on global memory here.
 template <typename T, int D>
 __device__ __forceinline__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa, Tiles<T, D>& s,
                                           bool scores, int next_kappa = -1, int next_m = -1,
-                                          VtInFlight<T, D>* keep = nullptr) {
+                                          VtInFlight<T, D>* keep = nullptr, bool fetched = false,
+                                          const KeyRowsInFlight<T, D>& rows = {}) {
   const int key0 = p.s0 + kappa * kC;
   __syncthreads();  // the previous chunk's readers are done
   if (threadIdx.x < kC) s.okk[threadIdx.x] = key_ok(p, b, key0 + threadIdx.x);
@@ -558,15 +578,14 @@ __device__ __forceinline__ void key_chunk(const Params& p, const Heads<T>& hd, i
   if (s.prefetch) {
     mma::cp_async_wait_all();  // this thread's copies; the barrier below publishes every thread's
     if (s.xv == nullptr) load_vt<T, D>(hd.v, p.sv.n, key0, s.okk, s.vt);
+  } else if (s.xv == nullptr && fetched) {
+    rows.store(s);
+    if (keep != nullptr) *keep = rows.values;
   } else if (s.xv == nullptr) {  // k's and v's loads in flight together
-    const auto ok = [&](int r) { return s.okk[r] != 0; };
-    mma::RowsInFlight<kC, D, kThreads> keys;
-    VtInFlight<T, D> values;
-    keys.fetch(hd.k, p.sk.n, key0, ok);
-    values.fetch(hd.v, p.sv.n, key0, ok);
-    keys.store(s.x);
-    values.store(s.vt);
-    if (keep != nullptr) *keep = values;
+    KeyRowsInFlight<T, D> here;
+    here.fetch(p, hd, b, kappa);
+    here.store(s);
+    if (keep != nullptr) *keep = here.values;
   } else {
     load_rows<T, D>(hd.k, p.sk.n, key0, s.okk, s.x);
   }
