@@ -455,7 +455,8 @@ template <int D>
 constexpr bool kDqAdvanceInTile = D <= 64;
 
 // Whether the causal dq kernel loads the next chunk's k and v rows into registers while tile_dq computes (D <= 64: 32
-// registers beside tile_dq's; at D = 128 the 64 would not fit), instead of waiting on them in key_chunk.
+// registers beside tile_dq's; at D = 128 the 64 would not fit), instead of waiting on them in key_chunk, and the query
+// tile's q and dO rows by cp.async while key_chunk maps k (then the kernel waits on no load of its own).
 template <int D>
 constexpr bool kDqPrefetch = D <= 64;
 
@@ -602,10 +603,11 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dq_bwd_kernel(const Pa
   for (int kappa = first; kappa < end; ++kappa) {
     const int m = kappa - p.kappa0;  // the query tile whose diagonal is in this chunk
     VtInFlight<T, D> v_rows;  // the chunk's v rows as key_chunk loaded them (D <= 64: 16 registers)
-    key_chunk<T, D>(p, hd, b, kappa, s, !PHI_TILE && m >= 0, -1, -1, &v_rows, fetched, next);  // PHI_TILE: no phk
+    const int async_m = kDqPrefetch<D> ? m : -1;  // q and dO rows by cp.async while key_chunk maps k
+    key_chunk<T, D>(p, hd, b, kappa, s, !PHI_TILE && m >= 0, -1, -1, &v_rows, fetched, next, async_m, dout, bt.dO);
     fetched = false;
     if (m >= 0) {
-      query_tile<T, D>(p, hd, m, s, dout, bt.dO, bt.u, phi32);  // after key_chunk: sp, sm keep q's tables
+      query_tile<T, D>(p, hd, m, s, dout, bt.dO, bt.u, phi32, -1, false, {}, async_m >= 0);  // sp, sm: q's tables
       v_rows.store_rows(s.x);  // v row-major (x is free again), without loading it twice
       if (kDqPrefetch<D> && kappa + 1 < end) {
         next.fetch(p, hd, b, kappa + 1);

@@ -565,12 +565,15 @@ struct KeyRowsInFlight {
 // `scores`, T halves transposed into pkt. Ends with a barrier. s.prefetch: the x rows are already on their way
 // (prefetch_keys), and once projected, the rows of key chunk next_kappa and query tile next_m (each when >= 0)
 // start loading. Without s.prefetch and s.xv: keep (not null) also takes the v rows' registers, for a row-major copy
-// later; fetched: the chunk's rows are already in `rows` (KeyRowsInFlight::fetch), with no wait on global memory here.
+// later; fetched: the chunk's rows are already in `rows` (KeyRowsInFlight::fetch), with no wait on global memory here;
+// tile_m >= 0: once k is projected, query tile tile_m's q rows (into x) and dout rows (into dtile) start loading by
+// cp.async, for query_tile(..., rows_async = true).
 template <typename T, int D>
 __device__ __forceinline__ void key_chunk(const Params& p, const Heads<T>& hd, int b, int kappa, Tiles<T, D>& s,
                                           bool scores, int next_kappa = -1, int next_m = -1,
                                           VtInFlight<T, D>* keep = nullptr, bool fetched = false,
-                                          const KeyRowsInFlight<T, D>& rows = {}) {
+                                          const KeyRowsInFlight<T, D>& rows = {}, int tile_m = -1,
+                                          const T* dout = nullptr, T* dtile = nullptr) {
   const int key0 = p.s0 + kappa * kC;
   __syncthreads();  // the previous chunk's readers are done
   if (threadIdx.x < kC) s.okk[threadIdx.x] = key_ok(p, b, key0 + threadIdx.x);
@@ -595,6 +598,11 @@ __device__ __forceinline__ void key_chunk(const Params& p, const Heads<T>& hd, i
   __syncthreads();
   if (s.prefetch && next_kappa >= 0) prefetch_keys<T, D>(p, hd, b, next_kappa, s);
   if (s.prefetch && next_m >= 0) prefetch_queries<T, D>(p, hd, next_m, s);
+  if (tile_m >= 0) {
+    prefetch_queries<T, D>(p, hd, tile_m, s);
+    load_rows_async<T, D>(dout, p.sdo.n, tile_m * kC, [row0 = tile_m * kC, nq = p.nq](int r) { return row0 + r < nq; },
+                          dtile);
+  }
   features<T>(p, s.okk, s.sp, s.sm, scores ? s.phk : nullptr, s.pkt);
   __syncthreads();
 }
@@ -994,14 +1002,18 @@ __device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, 
 // (dout not null): also the tile's rows of dout into dtile ([64][D + 8]) and u into `u`. Ends with a barrier.
 // s.prefetch: the x rows are already on their way (prefetch_queries), and once projected, those of query tile
 // next_m (when >= 0) start loading. fetched (without dout): the tile's q rows are already in `rows`' registers.
+// rows_async: its q rows and dout rows are on their way by cp.async (key_chunk's tile_m).
 template <typename T, int D>
 __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, D>& s, const T* dout = nullptr,
                            T* dtile = nullptr, float* u = nullptr, float* phi32 = nullptr, int next_m = -1,
-                           bool fetched = false, const mma::RowsInFlight<kC, D, kThreads>& rows = {}) {
+                           bool fetched = false, const mma::RowsInFlight<kC, D, kThreads>& rows = {},
+                           bool rows_async = false) {
   __syncthreads();
   if (threadIdx.x < kC) s.okq[threadIdx.x] = m * kC + threadIdx.x < p.nq;
   __syncthreads();
-  if (s.prefetch) {
+  if (rows_async) {
+    mma::cp_async_wait_all();  // this thread's copies; the barrier below publishes every thread's
+  } else if (s.prefetch) {
     mma::cp_async_wait_all();  // this thread's copies; the barrier below publishes every thread's
     if (dout != nullptr) load_rows<T, D>(dout, p.sdo.n, m * kC, s.okq, dtile);
   } else if (dout != nullptr) {  // both copies' loads in flight together
