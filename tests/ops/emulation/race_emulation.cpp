@@ -100,18 +100,20 @@ int forward_group_chunks(const Params& p, int b) {
   return v != nullptr ? std::atoi(v) : tc::forward_group_chunks(p.nkc, static_cast<long long>(b) * p.hq, p.causal != 0);
 }
 
-// HFAB_RACE_WARP_CAUSAL=0 (read per call here): the block-wide causal out kernel, as on the GPU.
-bool block_causal_out() {
-  const char* v = std::getenv("HFAB_RACE_WARP_CAUSAL");
+// Whether the switch `name` is set to 0 (read per call here; the GPU host reads it once per process).
+bool switched_off(const char* name) {
+  const char* v = std::getenv(name);
   return v != nullptr && std::string(v) == "0";
 }
 
-// HFAB_RACE_PHI_TILE=0 (read per call here): the backward kernels rebuild phi at each use (<..., PHI_TILE = false>),
-// as on the GPU. fn(std::bool_constant<PHI_TILE>) launches.
+// HFAB_RACE_WARP_CAUSAL=0: the block-wide causal out kernel, as on the GPU.
+bool block_causal_out() { return switched_off("HFAB_RACE_WARP_CAUSAL"); }
+
+// HFAB_RACE_PHI_TILE=0: the backward kernels rebuild phi at each use (<..., PHI_TILE = false>), as on the GPU.
+// fn(std::bool_constant<PHI_TILE>) launches.
 template <typename Fn>
 bool with_phi_tile(Fn&& fn) {
-  const char* v = std::getenv("HFAB_RACE_PHI_TILE");
-  return v != nullptr && std::string(v) == "0" ? fn(std::false_type{}) : fn(std::true_type{});
+  return switched_off("HFAB_RACE_PHI_TILE") ? fn(std::false_type{}) : fn(std::true_type{});
 }
 
 template <typename T, int D>
