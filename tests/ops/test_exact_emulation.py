@@ -26,6 +26,10 @@ def test_the_emulator_shuffles_votes_and_reports_deadlocks(emulator):
     assert emulator.emulation_check_deadlock() == 0
 
 
+def test_the_emulator_lands_cp_async_copies_at_their_wait(emulator):
+    assert emulator.emulation_check_async_copies() == 0
+
+
 def test_the_emulator_fails_a_call_with_misaligned_ldmatrix_or_cp_async_addresses(emulator):
     assert emulator.emulation_alignment_probe(0) == 0
     with pytest.raises(AssertionError, match="96 ldmatrix / cp.async operand addresses not 16-byte aligned"):

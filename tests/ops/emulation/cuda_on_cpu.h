@@ -4,8 +4,9 @@
 // wait); a fiber runs until it waits, so the interleaving is deterministic. __shared__ variables are thread_local
 // (the block's fibers share the OS thread; one block at a time), so `extern __shared__` (dynamic shared memory) is
 // a thread_local array that the harness defines. Inline PTX: common/ptx.cuh here replaces csrc/common/ptx.cuh when
-// this folder comes first on the include path. Not modelled: the GPU's memory model beyond barriers (a race that no
-// barrier orders may still pass), timing.
+// this folder comes first on the include path. cp.async copies land as late as the PTX ISA allows: at the wait that
+// covers their committed group, or when their thread exits, so a read before that wait sees the old bytes. Not
+// modelled: the GPU's memory model beyond barriers and cp.async (a race that no barrier orders may still pass), timing.
 //
 // Include this first, then the kernel header; emu::launch(grid, threads, [&] { kernel(params); }) returns false
 // when the block's threads deadlock (e.g. a __syncthreads that not all of them reach).
@@ -52,11 +53,18 @@ struct Barrier {
   unsigned long generation = 0;
 };
 
+struct AsyncCopy {
+  void* dst;
+  std::array<unsigned char, 16> bytes;  // the source, read when the copy was issued
+};
+
 struct Fiber {
   ucontext_t context;
   bool done = false;
   const Barrier* waiting = nullptr;  // the barrier this fiber waits at, and its generation then
   unsigned long waiting_generation = 0;
+  std::vector<AsyncCopy> open_copies;                 // issued since the last commit
+  std::vector<std::vector<AsyncCopy>> copy_groups;  // committed, oldest first
 };
 
 struct Block {
@@ -108,9 +116,37 @@ std::array<V, 32> gather(const V& v) {
 template <typename V>
 V exchange(const V& v, unsigned src) { return gather(v)[src % 32]; }
 
+inline Fiber& this_fiber() { return current->fibers[current->running]; }
+
+// cp.async of 16 bytes (src nullptr: zeros): read now, written to dst when its group lands.
+inline void copy_async(void* dst, const void* src) {
+  AsyncCopy c{dst, {}};
+  if (src != nullptr) std::memcpy(c.bytes.data(), src, 16);
+  this_fiber().open_copies.push_back(c);
+}
+inline void commit_copies() {
+  Fiber& me = this_fiber();
+  me.copy_groups.push_back(std::move(me.open_copies));
+  me.open_copies.clear();
+}
+inline void land(const std::vector<AsyncCopy>& group) {
+  for (const AsyncCopy& c : group) std::memcpy(c.dst, c.bytes.data(), 16);
+}
+// cp.async.wait_group n: every committed group but the newest n lands.
+inline void land_copies_but_newest(size_t n) {
+  auto& groups = this_fiber().copy_groups;
+  if (groups.size() <= n) return;
+  const auto end = groups.end() - static_cast<std::ptrdiff_t>(n);
+  for (auto g = groups.begin(); g != end; ++g) land(*g);
+  groups.erase(groups.begin(), end);
+}
+
 inline void fiber_main() {
   (*current->body)();
-  current->fibers[current->running].done = true;
+  Fiber& me = this_fiber();  // copies never waited for land when their thread ends
+  land_copies_but_newest(0);
+  land(me.open_copies);
+  me.done = true;
   ++current->progress;
 }
 

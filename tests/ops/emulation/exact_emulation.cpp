@@ -106,6 +106,36 @@ int emulation_check_deadlock() {
   return done ? 1 : 0;
 }
 
+// 0 when cp.async copies land as late as the PTX ISA allows: not before the wait that covers their committed group
+// (wait_group 1 lands the older of two groups only, wait_group 0 the rest; invalid copies write zeros), and a copy
+// never waited for lands when its thread exits. Otherwise the number of checks that failed.
+int emulation_check_async_copies() {
+  alignas(16) static unsigned char src[3][64 * 16], dst[3][64 * 16];
+  std::memset(src, 7, sizeof(src));
+  std::memset(dst, 1, sizeof(dst));
+  int wrong = 0;
+  const auto holds = [](const unsigned char* p, unsigned char value) {
+    for (int i = 0; i < 16; ++i)
+      if (p[i] != value) return false;
+    return true;
+  };
+  const bool done = emu::launch(dim3(1, 1, 1), 64, [&] {
+    const int t = threadIdx.x;
+    hfab::mma::cp_async16(dst[0] + 16 * t, src[0] + 16 * t, true);
+    hfab::mma::cp_async_commit();
+    hfab::mma::cp_async16(dst[1] + 16 * t, src[1] + 16 * t, t % 2 == 0);
+    hfab::mma::cp_async_commit();
+    hfab::mma::cp_async16(dst[2] + 16 * t, src[2] + 16 * t, true);
+    wrong += !holds(dst[0] + 16 * t, 1) || !holds(dst[1] + 16 * t, 1);
+    hfab::mma::cp_async_wait_prior<1>();
+    wrong += !holds(dst[0] + 16 * t, 7) || !holds(dst[1] + 16 * t, 1);
+    hfab::mma::cp_async_wait_all();
+    wrong += !holds(dst[1] + 16 * t, t % 2 == 0 ? 7 : 0) || !holds(dst[2] + 16 * t, 1);
+  });
+  for (int t = 0; t < 64; ++t) wrong += !holds(dst[2] + 16 * t, 7);
+  return done ? wrong : -1;
+}
+
 // One warp's ldmatrix.x4 (row addresses 16 bytes apart) and one cp.async per lane from a 16-byte aligned buffer plus
 // `offset` bytes: emu_faults() then counts the misaligned addresses (0 for offset 0, 32 + 64 for offset 8).
 int emulation_alignment_probe(int offset) {

@@ -1,8 +1,8 @@
 // CPU stand-ins for csrc/common/ptx.cuh under cuda_on_cpu.h (the same functions, by this folder coming first on the
 // include path). The warp-wide instructions gather every lane's operands (emu::gather) and give each lane what the
 // PTX ISA says it holds. mma: products exact, summed in double, added to the fp32 accumulator once (at least as
-// accurate as the tensor cores); tf32 operands use their top 19 bits. cp.async copies at once; commit / wait do
-// nothing.
+// accurate as the tensor cores); tf32 operands use their top 19 bits. cp.async reads its source at once and
+// writes shared memory only at the wait that covers its group (emu::copy_async).
 #pragma once
 
 #include <cmath>
@@ -113,16 +113,12 @@ inline void ldsm_x2(uint32_t (&r)[2], const void* p) {
 
 inline void cp_async16(void* dst, const void* src, bool valid) {
   emu::require_aligned(dst, 16);
-  if (valid) {
-    emu::require_aligned(src, 16);
-    std::memcpy(dst, src, 16);
-  } else {
-    std::memset(dst, 0, 16);
-  }
+  if (valid) emu::require_aligned(src, 16);
+  emu::copy_async(dst, valid ? src : nullptr);
 }
-inline void cp_async_commit() {}
-inline void cp_async_wait_all() {}
-template <int N> inline void cp_async_wait_prior() {}
+inline void cp_async_commit() { emu::commit_copies(); }
+inline void cp_async_wait_all() { emu::land_copies_but_newest(0); }
+template <int N> inline void cp_async_wait_prior() { emu::land_copies_but_newest(N); }
 
 }  // namespace mma
 }  // namespace hfab
