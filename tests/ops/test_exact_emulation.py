@@ -7,12 +7,14 @@ emulation cannot see (the memory model beyond barriers, timing) stays with the G
 headers (tests/ops/emulation).
 """
 import ctypes
+import functools
 
 import pytest
 import torch
 
 from tests.inputs import make_padding
-from tests.ops.emulation import build, check_rc, cpu_inputs, nan_like, ptr
+from tests.ops.emulation import (SCHEDULES, assert_same_under_schedule, build, check_rc, cpu_inputs, nan_like,
+                                  ptr)
 from tests.ops.test_exact_cuda import check_against_oracle
 
 
@@ -28,6 +30,17 @@ def test_the_emulator_shuffles_votes_and_reports_deadlocks(emulator):
 
 def test_the_emulator_lands_cp_async_copies_at_their_wait(emulator):
     assert emulator.emulation_check_async_copies() == 0
+
+
+@pytest.mark.parametrize("schedule", ["1", "2"])
+def test_the_emulator_schedules_expose_an_unordered_read(emulator, monkeypatch, schedule):
+    emulator.emulation_schedule_probe.restype = ctypes.c_longlong
+    ordered = sum(1000 + t for t in range(64))
+    assert emulator.emulation_schedule_probe(1) == ordered
+    lockstep = emulator.emulation_schedule_probe(0)
+    monkeypatch.setenv("HFAB_EMU_SCHEDULE", schedule)
+    assert emulator.emulation_schedule_probe(1) == ordered
+    assert emulator.emulation_schedule_probe(0) != lockstep
 
 
 def test_the_emulator_fails_a_call_with_misaligned_ldmatrix_or_cp_async_addresses(emulator):
@@ -81,3 +94,15 @@ def test_bottom_right_causal_and_empty_rows(emulator, nq, nk):
 def test_decode_one_query_against_many_key_tiles(emulator):
     q, k, v = cpu_inputs(2, 4, 1, 1, 130, 64)  # GQA 4:1
     check_against_oracle(q, k, v, causal=True, run=emulated(emulator))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_results_do_not_depend_on_the_thread_schedule(emulator, monkeypatch, schedule, causal):
+    q, k, v = cpu_inputs(2, 2, 1, 70, 130, 64, dtype=torch.bfloat16)  # GQA, ragged tiles, padding
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q.dtype)
+    run = functools.partial(emulated(emulator), q, k, v, dout, causal=causal, scale=0.125,
+                            mask=make_padding(2, 130, seed=4))
+    assert_same_under_schedule(monkeypatch, schedule, lambda: (lambda out, lse, grads: (out, lse, *grads))(*run()),
+                               ("out", "lse", "dq", "dk", "dv"))
+

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from tests.inputs import make_padding
-from tests.ops.emulation import build, check_rc, cpu_inputs, nan_like, ptr
+from tests.ops.emulation import (SCHEDULES, assert_same_under_schedule, build, check_rc, cpu_inputs, nan_like,
+                                  ptr)
 from tests.tolerance import assert_close_to_oracle
 
 FACTOR, FLOOR = 3.0, 1e-6
@@ -633,3 +634,15 @@ def test_landmark_stage_kernels_against_the_oracle(emulator, d, m, hq, hkv, add_
         assert_close_to_oracle(dkl, dkl_before.double() + vjp_part, rtol=rtol, name="d K̃ with its VJP part")
     else:
         assert_close_to_oracle(dkl_vjp, vjp_part, rtol=rtol, name="d K̃'s VJP part")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("m, kv_chunk", [(32, 128), (80, 192)])
+def test_dk_dv_kernel_does_not_depend_on_the_thread_schedule(paths_emulator, monkeypatch, schedule, m, kv_chunk):
+    # resident and restaged landmarks, two q heads, padding
+    b, n, d = 2, 200, 64
+    mask = make_padding(b, n, min_real=n // 2, seed=d)
+    k, v, root, t = stage_inputs(b, 2, 1, n, m, d, torch.bfloat16, mask, seed=m)
+    assert_same_under_schedule(monkeypatch, schedule, lambda: emulate(paths_emulator, k, v, root, t, mask, m, kv_chunk),
+                               ("dk", "dv"))
+

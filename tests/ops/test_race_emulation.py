@@ -4,12 +4,14 @@ against the float64 oracle exactly as the GPU tests check the real kernels (test
 the memory model beyond barriers stay with the GPU tests.
 """
 import ctypes
+import functools
 
 import pytest
 import torch
 
 from tests.inputs import make_padding
-from tests.ops.emulation import build, check_rc, cpu_inputs, nan_like, ptr
+from tests.ops.emulation import (SCHEDULES, assert_same_under_schedule, build, check_rc, cpu_inputs, nan_like,
+                                  ptr)
 from tests.ops.test_race_cuda import check_against_oracle, make_planes, per_head_beta
 
 DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -165,3 +167,20 @@ def test_upstream_gradients_of_any_size(emulator, dtype, dout_scale, causal):
     # dO x 2^13: ds' = dO . v - c^ past fp16's range unless each row is scaled by its power of two before the T
     # halves (without the scaling the fp16 causal case gives NaN); x 2^-20: subnormal fp16 dO (a mean-reduced loss)
     check(emulator, 1, 2, 1, 150, 150, 64, causal=causal, dtype=dtype, dout_scale=dout_scale)
+
+
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("dtype, causal", [(torch.float16, True), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_results_do_not_depend_on_the_thread_schedule(emulator, monkeypatch, schedule, dtype, causal):
+    # GQA, padding, a ragged chunk, forward groups of 2 chunks
+    monkeypatch.setenv("HFAB_RACE_GROUP_CHUNKS", "2")
+    q, k, v = cpu_inputs(2, 2, 1, 300, 300, 64, dtype=dtype)
+    planes, beta = make_planes(4, 4, 64, device="cpu"), per_head_beta(2, 64, device="cpu")
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    run = functools.partial(emulated(emulator), q, k, v, planes, beta, dout, causal=causal,
+                            mask=make_padding(2, 300, seed=4))
+    assert_same_under_schedule(monkeypatch, schedule, lambda: (lambda out, grads: (out, *grads))(*run()),
+                               ("out", "dq", "dk", "dv", "dbeta"))
+

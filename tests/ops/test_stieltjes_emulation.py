@@ -5,13 +5,15 @@ fragment layouts) and checked against the float64 oracle exactly as the GPU test
 memory model beyond barriers stay with the GPU tests.
 """
 import ctypes
+import functools
 
 import pytest
 import torch
 
 from hf_attention_backends.ops.stieltjes import reference
 from tests.inputs import make_padding
-from tests.ops.emulation import build, check_rc, cpu_inputs, nan_like, ptr
+from tests.ops.emulation import (SCHEDULES, assert_same_under_schedule, build, check_rc, cpu_inputs, nan_like,
+                                  ptr)
 from tests.ops.test_stieltjes_cuda import CONVERGED, check_against_oracle
 from tests.tolerance import assert_close_to_oracle
 
@@ -143,3 +145,15 @@ def test_adaptive_extra_steps_as_the_reference(emulator, order, scale):
     out, _, lam = emulated_forward(emulator, q, k, v, mask, order=order, causal=False, newton_iter=-1)
     assert_close_to_oracle(lam, want, atol=0, rtol=2e-5, name="lambda")
     assert_close_to_oracle(out.float(), out_ref.float(), atol=1e-3, rtol=2e-3, name="out")  # ~1 ulp
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_results_do_not_depend_on_the_thread_schedule(emulator, monkeypatch, schedule, causal):
+    q, k, v = cpu_inputs(2, 2, 1, 70, 130, 64, dtype=torch.bfloat16)  # GQA, ragged tiles, padding
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q.dtype)
+    run = functools.partial(emulated(emulator), q, k, v, dout, order=4.0, causal=causal, scale=0.125,
+                            mask=make_padding(2, 130, seed=4))
+    assert_same_under_schedule(monkeypatch, schedule, lambda: (lambda state, grads: (*state, *grads))(*run()),
+                               ("out", "rowmax", "lam", "u", "lsum", "dq", "dk", "dv"))
+

@@ -102,3 +102,19 @@ def cpu_inputs(b, hq, hkv, nq, nk, d, **kw):
 
 def check_rc(rc, what):
     assert rc == 0, f"{what} emulation returned {rc} (1: unsupported head dim, 2: a block's threads deadlocked)"
+
+
+SCHEDULES = ("1", "2")  # HFAB_EMU_SCHEDULE (cuda_on_cpu.h): warp by warp; the same with blocks, warps, lanes reversed
+
+
+def assert_same_under_schedule(monkeypatch, schedule, run, names):
+    """run() -> tensors (named by `names`), once under the default thread schedule and once under HFAB_EMU_SCHEDULE =
+    `schedule`: every tensor must be the same bit for bit, else the kernels have a shared-memory read that no barrier
+    or cp.async wait orders after its write."""
+    first = run()
+    monkeypatch.setenv("HFAB_EMU_SCHEDULE", schedule)
+    again = run()
+    for name, a, b in zip(names, first, again, strict=True):
+        bits = [x.detach().contiguous().reshape(-1).view(torch.uint8) for x in (a, b)]
+        assert torch.equal(*bits), f"{name} differs under HFAB_EMU_SCHEDULE={schedule}"
+

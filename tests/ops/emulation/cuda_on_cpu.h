@@ -5,8 +5,10 @@
 // (the block's fibers share the OS thread; one block at a time), so `extern __shared__` (dynamic shared memory) is
 // a thread_local array that the harness defines. Inline PTX: common/ptx.cuh here replaces csrc/common/ptx.cuh when
 // this folder comes first on the include path. cp.async copies land as late as the PTX ISA allows: at the wait that
-// covers their committed group, or when their thread exits, so a read before that wait sees the old bytes. Not
-// modelled: the GPU's memory model beyond barriers and cp.async (a race that no barrier orders may still pass), timing.
+// covers their committed group, or when their thread exits, so a read before that wait sees the old bytes. The order
+// in which fibers run is chosen per launch (emu::Schedule): a read that no barrier orders after another thread's write
+// sees other bytes under another schedule, so a kernel whose results differ between schedules has a race. Not
+// modelled: the GPU's memory model beyond barriers and cp.async, timing.
 //
 // Include this first, then the kernel header; emu::launch(grid, threads, [&] { kernel(params); }) returns false
 // when the block's threads deadlock (e.g. a __syncthreads that not all of them reach).
@@ -18,6 +20,8 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -79,6 +83,19 @@ struct Block {
 };
 
 inline Block* current = nullptr;
+
+// HFAB_EMU_SCHEDULE, read at each launch: kLockstep (unset or 0) runs the threads in order, each until it waits, so the
+// warps advance together by about one warp operation per round; kWarpByWarp (1) runs each warp until all its threads
+// wait at a block barrier or end; kReversed (2) as kWarpByWarp with the blocks, warps and lanes in reverse order.
+enum class Schedule { kLockstep, kWarpByWarp, kReversed };
+inline Schedule schedule_from_environment() {
+  const char* s = std::getenv("HFAB_EMU_SCHEDULE");
+  if (s == nullptr || s[0] == '\0' || std::strcmp(s, "0") == 0) return Schedule::kLockstep;
+  if (std::strcmp(s, "1") == 0) return Schedule::kWarpByWarp;
+  if (std::strcmp(s, "2") == 0) return Schedule::kReversed;
+  std::fprintf(stderr, "HFAB_EMU_SCHEDULE=%s: expected 0, 1 or 2\n", s);
+  std::abort();
+}
 
 inline void yield() { swapcontext(&current->fibers[current->running].context, &current->scheduler); }
 
@@ -150,49 +167,83 @@ inline void fiber_main() {
   ++current->progress;
 }
 
-// Runs body() once per thread of every block of `grid` (threads: a multiple of 32). False on a deadlock.
+// Whether fiber t can run: not done, and not waiting at a barrier whose generation has not moved on.
+inline bool runnable(const Block& block, unsigned t) {
+  const Fiber& f = block.fibers[t];
+  return !f.done && (f.waiting == nullptr || f.waiting->generation != f.waiting_generation);
+}
+
+// Runs fiber t until it waits or ends; false once it has ended.
+inline bool run_fiber(Block& block, unsigned t) {
+  block.running = t;
+  threadIdx = make_uint3(t, 0, 0);
+  swapcontext(&block.scheduler, &block.fibers[t].context);
+  return !block.fibers[t].done;
+}
+
+// One scheduler round over a block's threads; returns how many ended in it.
+inline unsigned schedule_round(Block& block, unsigned threads, Schedule order) {
+  unsigned ended = 0;
+  if (order == Schedule::kLockstep) {
+    for (unsigned t = 0; t < threads; ++t)
+      if (runnable(block, t)) ended += !run_fiber(block, t);
+    return ended;
+  }
+  const bool reversed = order == Schedule::kReversed;
+  const unsigned warps = threads / 32;
+  for (unsigned i = 0; i < warps; ++i) {
+    const unsigned w = reversed ? warps - 1 - i : i;
+    for (bool ran = true; ran;) {  // until every thread of the warp waits at a block barrier or has ended
+      ran = false;
+      for (unsigned j = 0; j < 32; ++j) {
+        const unsigned t = 32 * w + (reversed ? 31 - j : j);
+        if (!runnable(block, t)) continue;
+        ran = true;
+        ended += !run_fiber(block, t);
+      }
+    }
+  }
+  return ended;
+}
+
+// Runs body() once per thread of every block of `grid` (threads: a multiple of 32), in the order HFAB_EMU_SCHEDULE
+// names. False on a deadlock.
 inline bool launch(dim3 grid, unsigned threads, const std::function<void()>& body) {
   gridDim = grid;
   blockDim = dim3(threads, 1, 1);
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        blockIdx = make_uint3(x, y, z);
-        Block block;
-        block.fibers.resize(threads);
-        block.all.size = threads;
-        block.warps.resize((threads + 31) / 32);
-        for (auto& w : block.warps) w.size = 32;
-        block.slots.resize(threads);
-        block.body = &body;
-        current = &block;
-        static std::vector<std::unique_ptr<char[]>> stacks;  // reused by every block
-        while (stacks.size() < threads) stacks.push_back(std::make_unique_for_overwrite<char[]>(kStackBytes));
-        for (unsigned t = 0; t < threads; ++t) {
-          Fiber& f = block.fibers[t];
-          getcontext(&f.context);
-          f.context.uc_stack.ss_sp = stacks[t].get();
-          f.context.uc_stack.ss_size = kStackBytes;
-          f.context.uc_link = &block.scheduler;
-          makecontext(&f.context, fiber_main, 0);
-        }
-        for (unsigned alive = threads; alive > 0;) {
-          const unsigned long before = block.progress;
-          for (unsigned t = 0; t < threads; ++t) {
-            const Fiber& f = block.fibers[t];
-            if (f.done || (f.waiting != nullptr && f.waiting->generation == f.waiting_generation)) continue;
-            block.running = t;
-            threadIdx = make_uint3(t, 0, 0);
-            swapcontext(&block.scheduler, &block.fibers[t].context);
-            if (block.fibers[t].done) --alive;
-          }
-          if (alive > 0 && block.progress == before) {
-            current = nullptr;
-            return false;
-          }
-        }
+  const Schedule order = schedule_from_environment();
+  const unsigned long blocks = static_cast<unsigned long>(grid.x) * grid.y * grid.z;
+  for (unsigned long i = 0; i < blocks; ++i) {
+    const unsigned long id = order == Schedule::kReversed ? blocks - 1 - i : i;
+    blockIdx = make_uint3(id % grid.x, id / grid.x % grid.y, id / grid.x / grid.y);
+    Block block;
+    block.fibers.resize(threads);
+    block.all.size = threads;
+    block.warps.resize((threads + 31) / 32);
+    for (auto& w : block.warps) w.size = 32;
+    block.slots.resize(threads);
+    block.body = &body;
+    current = &block;
+    static std::vector<std::unique_ptr<char[]>> stacks;  // reused by every block
+    while (stacks.size() < threads) stacks.push_back(std::make_unique_for_overwrite<char[]>(kStackBytes));
+    for (unsigned t = 0; t < threads; ++t) {
+      Fiber& f = block.fibers[t];
+      getcontext(&f.context);
+      f.context.uc_stack.ss_sp = stacks[t].get();
+      f.context.uc_stack.ss_size = kStackBytes;
+      f.context.uc_link = &block.scheduler;
+      makecontext(&f.context, fiber_main, 0);
+    }
+    for (unsigned alive = threads; alive > 0;) {
+      const unsigned long before = block.progress;
+      alive -= schedule_round(block, threads, order);
+      if (alive > 0 && block.progress == before) {
         current = nullptr;
+        return false;
       }
+    }
+    current = nullptr;
+  }
   return true;
 }
 

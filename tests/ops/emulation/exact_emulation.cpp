@@ -136,6 +136,25 @@ int emulation_check_async_copies() {
   return done ? wrong : -1;
 }
 
+// A block of 64 threads in which thread t writes slot t of a shared array and then reads slot 63 - t, with a
+// __syncthreads between the two (ordered = 1) or none (a race); returns the sum of what the threads read, or -1 on a
+// deadlock. The ordered sum is the same under every HFAB_EMU_SCHEDULE; the racy one depends on the schedule.
+long long emulation_schedule_probe(int ordered) {
+  long long sum = 0;
+  const bool done = emu::launch(dim3(1, 1, 1), 64, [&] {
+    __shared__ int slots[64];
+    const int t = threadIdx.x;
+    if (t == 0)
+      for (int& v : slots) v = 0;
+    __syncthreads();
+    slots[t] = 1000 + t;
+    if (ordered) __syncthreads();
+    __syncwarp();
+    sum += slots[63 - t];
+  });
+  return done ? sum : -1;
+}
+
 // One warp's ldmatrix.x4 (row addresses 16 bytes apart) and one cp.async per lane from a 16-byte aligned buffer plus
 // `offset` bytes: emu_faults() then counts the misaligned addresses (0 for offset 0, 32 + 64 for offset 8).
 int emulation_alignment_probe(int offset) {
