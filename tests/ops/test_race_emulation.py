@@ -172,12 +172,15 @@ def test_upstream_gradients_of_any_size(emulator, dtype, dout_scale, causal):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("dtype, causal", [(torch.float16, True), (torch.bfloat16, False), (torch.bfloat16, True)])
-def test_results_do_not_depend_on_the_thread_schedule(emulator, monkeypatch, schedule, dtype, causal):
-    # GQA, padding, a ragged chunk, forward groups of 2 chunks
+@pytest.mark.parametrize("d, dtype, causal", [(64, torch.float16, True), (64, torch.bfloat16, False),
+                                             (64, torch.bfloat16, True), (32, torch.float16, True),
+                                             (128, torch.bfloat16, True)])
+def test_results_do_not_depend_on_the_thread_schedule(emulator, monkeypatch, schedule, d, dtype, causal):
+    # GQA, padding, a ragged chunk, forward groups of 2 chunks; D 32 and 128 double-buffer the causal out kernel's
+    # tiles where D 64 ends each chunk with a second barrier
     monkeypatch.setenv("HFAB_RACE_GROUP_CHUNKS", "2")
-    q, k, v = cpu_inputs(2, 2, 1, 300, 300, 64, dtype=dtype)
-    planes, beta = make_planes(4, 4, 64, device="cpu"), per_head_beta(2, 64, device="cpu")
+    q, k, v = cpu_inputs(2, 2, 1, 300, 300, d, dtype=dtype)
+    planes, beta = make_planes(4, 4, d, device="cpu"), per_head_beta(2, d, device="cpu")
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
     run = functools.partial(emulated(emulator), q, k, v, planes, beta, dout, causal=causal,
                             mask=make_padding(2, 300, seed=4))
