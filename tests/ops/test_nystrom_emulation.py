@@ -645,4 +645,3 @@ def test_dk_dv_kernel_does_not_depend_on_the_thread_schedule(paths_emulator, mon
     k, v, root, t = stage_inputs(b, 2, 1, n, m, d, torch.bfloat16, mask, seed=m)
     assert_same_under_schedule(monkeypatch, schedule, lambda: emulate(paths_emulator, k, v, root, t, mask, m, kv_chunk),
                                ("dk", "dv"))
-

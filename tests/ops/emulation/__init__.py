@@ -107,14 +107,17 @@ def check_rc(rc, what):
 SCHEDULES = ("1", "2")  # HFAB_EMU_SCHEDULE (cuda_on_cpu.h): warp by warp; the same with blocks, warps, lanes reversed
 
 
+def _flat(tensors):
+    return [x for t in tensors for x in (_flat(t) if isinstance(t, (tuple, list)) else [t])]
+
+
 def assert_same_under_schedule(monkeypatch, schedule, run, names):
-    """run() -> tensors (named by `names`), once under the default thread schedule and once under HFAB_EMU_SCHEDULE =
-    `schedule`: every tensor must be the same bit for bit, else the kernels have a shared-memory read that no barrier
-    or cp.async wait orders after its write."""
-    first = run()
+    """run() -> tensors, nested in tuples or lists (named in order by `names`), once under the default thread schedule
+    and once under HFAB_EMU_SCHEDULE = `schedule`: every tensor must be the same bit for bit, else the kernels have a
+    shared-memory read that no barrier or cp.async wait orders after its write."""
+    first = _flat(run())
     monkeypatch.setenv("HFAB_EMU_SCHEDULE", schedule)
-    again = run()
+    again = _flat(run())
     for name, a, b in zip(names, first, again, strict=True):
         bits = [x.detach().contiguous().reshape(-1).view(torch.uint8) for x in (a, b)]
         assert torch.equal(*bits), f"{name} differs under HFAB_EMU_SCHEDULE={schedule}"
-
