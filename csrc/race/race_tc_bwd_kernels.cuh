@@ -686,7 +686,7 @@ __device__ __forceinline__ void query_rows(const QueryRow& row, DkvTiles<T, D>& 
 // key_side_chunk, in flight while it stores and projects k.
 template <typename T, int D>
 struct DkvPrefetch {
-  static constexpr bool kOn = D <= 64;
+  static constexpr bool kOn = false;
   mma::RowsInFlight<kC, D, kThreads> keys, queries;
   QueryRow row;
   int kappa = -1;  // the chunk whose rows are in flight (-1: none)
