@@ -607,7 +607,7 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dq_bwd_kernel(const Pa
     key_chunk<T, D>(p, hd, b, kappa, s, !PHI_TILE && m >= 0, -1, -1, &v_rows, fetched, next, async_m, dout, bt.dO);
     fetched = false;
     if (m >= 0) {
-      query_tile<T, D>(p, hd, m, s, dout, bt.dO, bt.u, phi32, -1, false, {}, async_m >= 0);  // sp, sm: q's tables
+      query_tile<T, D>(p, hd, m, s, dout, bt.dO, bt.u, phi32, -1, async_m >= 0);  // sp, sm: q's tables
       v_rows.store_rows(s.x);  // v row-major (x is free again), without loading it twice
       if (kDqPrefetch<D> && kappa + 1 < end) {
         next.fetch(p, hd, b, kappa + 1);
@@ -680,28 +680,6 @@ __device__ __forceinline__ void query_rows(const QueryRow& row, DkvTiles<T, D>& 
   kt.chat[threadIdx.x] = row.den > 0.f ? row.c * row.den : 0.f;
 }
 
-// What the dk/dv kernel's next key chunk (kappa) and, causal, its query tile (m = kappa - kappa0, when >= 0) load from
-// global memory and would otherwise wait on: k rows, q rows, den and c, fetched into registers while this chunk
-// computes (D <= 64: 32 registers per thread; at D = 128 the 64 would not fit beside chunk_dkv's). v's loads stay in
-// key_side_chunk, in flight while it stores and projects k.
-template <typename T, int D>
-struct DkvPrefetch {
-  static constexpr bool kOn = false;
-  mma::RowsInFlight<kC, D, kThreads> keys, queries;
-  QueryRow row;
-  int kappa = -1;  // the chunk whose rows are in flight (-1: none)
-
-  __device__ void fetch(const Params& p, const Heads<T>& hd, int b, int next_kappa) {
-    kappa = next_kappa;
-    const int key0 = p.s0 + kappa * kC, m = p.causal ? kappa - p.kappa0 : -1;
-    keys.fetch(hd.k, p.sk.n, key0, [&](int r) { return key_ok(p, b, key0 + r); });
-    if (m < 0) return;
-    queries.fetch(hd.q, p.sq.n, m * kC, [&](int r) { return m * kC + r < p.nq; });
-    row.fetch(p, hd.bh, m);
-  }
-  __device__ bool holds(int chunk) const { return kOn && kappa == chunk; }
-};
-
 // acc[n] += sum_i phi~(q_i) [dO_i, c^_i]^T over one query tile, for the warp's 16 features (rows of acc) and the
 // n-tiles of columns [0, D + 8): phi~ from the sigma tables in fp32 (PHI_TILE: from the fp32 phi(q) tile in
 // kt.g), times 1/den, in two tf32 halves; dO (from dO^T in s.vt) exact in tf32; c^ in two tf32 halves in
@@ -736,15 +714,14 @@ __device__ __forceinline__ void query_state_delta(const Params& p, const Tiles<T
 // into phq, or fp32 into phi32 instead when that is not null), 1/den and c^, dO^T into s.vt; with `intra` also
 // phi(q) in T halves into pkt. Ends with a barrier.
 template <typename T, int D>
-__device__ __forceinline__ void key_side_query_tile(const Params& p, const Heads<T>& hd, const T* dout, int m, bool intra,
-                                    Tiles<T, D>& s, DkvTiles<T, D>& kt, float* phi32 = nullptr,
-                                    bool fetched = false, const DkvPrefetch<T, D>& pre = {}) {
+__device__ __forceinline__ void key_side_query_tile(const Params& p, const Heads<T>& hd, const T* dout, int m,
+                                                    bool intra, Tiles<T, D>& s, DkvTiles<T, D>& kt,
+                                                    float* phi32 = nullptr) {
   VtInFlight<T, D> grads;  // dO's loads in flight while query_tile loads and maps q
   grads.fetch(dout, p.sdo.n, m * kC, [&](int j) { return m * kC + j < p.nq; });
-  QueryRow row;
-  if (!fetched) row.fetch(p, hd.bh, m);
-  query_tile<T, D>(p, hd, m, s, nullptr, nullptr, nullptr, phi32, -1, fetched, pre.queries);
-  if (fetched) row = pre.row;
+  QueryRow row;  // den and c in flight while query_tile loads and maps q
+  row.fetch(p, hd.bh, m);
+  query_tile<T, D>(p, hd, m, s, nullptr, nullptr, nullptr, phi32);
   query_rows<T, D>(row, kt);
   grads.store(s.vt);
   if (intra) features<T>(p, s.okq, s.sp, s.sm, nullptr, s.pkt);
@@ -754,17 +731,16 @@ __device__ __forceinline__ void key_side_query_tile(const Params& p, const Heads
 // Key chunk kappa for the key side: flags, k's sigma tables and u (kt.spk, kt.smk, kt.u), then v row-major into
 // s.x and, with `intra`, fp16 phi(k) into phk. Ends with a barrier.
 template <typename T, int D>
-__device__ __forceinline__ void key_side_chunk(const Params& p, const Heads<T>& hd, int b, int kappa, bool intra, Tiles<T, D>& s,
-                               DkvTiles<T, D>& kt, bool fetched = false, const DkvPrefetch<T, D>& pre = {}) {
+__device__ __forceinline__ void key_side_chunk(const Params& p, const Heads<T>& hd, int b, int kappa, bool intra,
+                                               Tiles<T, D>& s, DkvTiles<T, D>& kt) {
   const int key0 = p.s0 + kappa * kC;
   const auto ok = [&](int r) { return key_ok(p, b, key0 + r); };
   mma::RowsInFlight<kC, D, kThreads> keys, values;  // both copies' loads in flight together (D <= 64: 32 registers)
-  if (!fetched) keys.fetch(hd.k, p.sk.n, key0, ok);
+  keys.fetch(hd.k, p.sk.n, key0, ok);
   if constexpr (D <= 64) values.fetch(hd.v, p.sv.n, key0, ok);
   __syncthreads();
   if (threadIdx.x < kC) s.okk[threadIdx.x] = ok(threadIdx.x);
-  if (fetched) pre.keys.store(s.x);
-  else keys.store(s.x);
+  keys.store(s.x);
   __syncthreads();
   project<T, D>(p, s.x, s.w, hd.beta, kt.spk, kt.smk, kt.u);
   if constexpr (D > 64) values.fetch(hd.v, p.sv.n, key0, ok);
@@ -960,13 +936,10 @@ __global__ void __launch_bounds__(kThreads, 1) race_group_dkv_bwd_kernel(const P
     const long long slot = hd.bh * slots + (p.causal ? grp + 1 : 0);
     __syncthreads();  // the previous head's readers of st are done
     load_state<T, D>(p, p.qstate + slot * p.features * D, p.qz + slot * p.features, s);
-    DkvPrefetch<T, D> next;
     for (int kappa = end - 1; kappa >= first; --kappa) {
       const int m = p.causal ? kappa - p.kappa0 : -1;  // the query tile whose diagonal is in this chunk
-      const bool fetched = next.holds(kappa);
-      if (m >= 0) key_side_query_tile<T, D>(p, hd, dout, m, true, s, kt, nullptr, fetched, next);
-      key_side_chunk<T, D>(p, hd, b, kappa, m >= 0, s, kt, fetched, next);
-      if (DkvPrefetch<T, D>::kOn && kappa > first) next.fetch(p, hd, b, kappa - 1);
+      if (m >= 0) key_side_query_tile<T, D>(p, hd, dout, m, true, s, kt);
+      key_side_chunk<T, D>(p, hd, b, kappa, m >= 0, s, kt);
       chunk_dkv<T, D, PHI_TILE>(p, hd, kappa, gh, m >= 0, s, kt);
       if (m < 0 || kappa == first) continue;
       if constexpr (PHI_TILE) {  // tile m's fp32 phi(q) into the g storage (read last by chain_mma, before a barrier)

@@ -1001,12 +1001,11 @@ __device__ __forceinline__ void tile_out(const Params& p, const Tiles<T, D>& s, 
 // Query tile m: flags, x, phi(q) (fp16) into phq, or fp32 into phi32 instead when that is not null. Backward
 // (dout not null): also the tile's rows of dout into dtile ([64][D + 8]) and u into `u`. Ends with a barrier.
 // s.prefetch: the x rows are already on their way (prefetch_queries), and once projected, those of query tile
-// next_m (when >= 0) start loading. fetched (without dout): the tile's q rows are already in `rows`' registers.
+// next_m (when >= 0) start loading.
 // rows_async: its q rows and dout rows are on their way by cp.async (key_chunk's tile_m).
 template <typename T, int D>
 __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, D>& s, const T* dout = nullptr,
                            T* dtile = nullptr, float* u = nullptr, float* phi32 = nullptr, int next_m = -1,
-                           bool fetched = false, const mma::RowsInFlight<kC, D, kThreads>& rows = {},
                            bool rows_async = false) {
   __syncthreads();
   if (threadIdx.x < kC) s.okq[threadIdx.x] = m * kC + threadIdx.x < p.nq;
@@ -1023,8 +1022,6 @@ __device__ void query_tile(const Params& p, const Heads<T>& hd, int m, Tiles<T, 
     grads.fetch(dout, p.sdo.n, m * kC, ok);
     queries.store(s.x);
     grads.store(dtile);
-  } else if (fetched) {
-    rows.store(s.x);
   } else {
     load_rows<T, D>(hd.q, p.sq.n, m * kC, s.okq, s.x);
   }
