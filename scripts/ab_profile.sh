@@ -11,9 +11,9 @@
 # each tree without an install: the folders that setup.py maps into the package are linked there for the runs.
 # Then $OUT/ab.csv (python -m benchmarks.ab_csv): the working tree named HFAB_GIT_SHA (default: git HEAD here; pass
 # the sending machine's HEAD, which a GPU machine's copy of .git may not have).
-# A base commit that copy lacks travels as a bundle of ignored files: `git bundle create .carry/ab.bundle <branch>...
-# ^<a commit the copy has>` here, the call carries .carry/ab.bundle and starts with
-# `git fetch -q .carry/ab.bundle 'refs/heads/*:refs/remotes/ab/*'`.
+# A base commit that copy lacks travels as a bundle in .carry/ (in .git/info/exclude, as for scripts/device_assets.sh):
+# `git bundle create .carry/ab.bundle <branch>... ^<a commit the copy has>` here; the call carries .carry/ab.bundle
+# and starts with `git fetch -q .carry/ab.bundle 'refs/heads/*:refs/remotes/ab/*'`.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 ROOT=$PWD
